@@ -1,0 +1,52 @@
+"""Input validation shared by every op of the kit: clear errors that name the argument."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES, dim: int | None = None,
+           device: torch.device | None = None, contiguous: bool = True, nonempty: bool = True) -> torch.Tensor:
+    """Check one tensor argument; raise TypeError/ValueError naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if device is not None and t.device.type != torch.device(device).type:
+        raise ValueError(f"{name} must be on {torch.device(device).type}, got {t.device}")
+    if nonempty and t.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
+    return t
+
+
+def same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} dtype {str(t.dtype).replace('torch.', '')} must match {ref_name} dtype "
+                        f"{str(ref.dtype).replace('torch.', '')}")
+
+
+def same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def positive_float(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v:
+        raise ValueError(f"{name} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v

@@ -1,0 +1,44 @@
+"""Device selection for the whole kit.
+
+Import this module (``import kernels`` does) before anything imports ``triton``:
+with no CUDA device present it sets ``TRITON_INTERPRET=1`` so that every Triton kernel
+of the kit runs under the Triton interpreter on the CPU; with a GPU the same kernels
+are compiled.  One rule, decided once per process.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+HAS_CUDA: bool = torch.cuda.is_available()
+
+if "triton" in sys.modules and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError(
+        "triton was imported before kernels.device on a machine without CUDA: "
+        "import kernels (or kernels.device) first, or set TRITON_INTERPRET=1"
+    )
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+#: ``True`` when Triton kernels run under the interpreter (no GPU).
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+
+#: The torch device every kernel and notebook of the kit uses.
+DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def device_name() -> str:
+    """A human-readable name of the present device (for ignored/sanitized cells)."""
+    if HAS_CUDA:
+        return torch.cuda.get_device_name(0)
+    import platform
+
+    return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def describe() -> str:
+    """One line: device and execution mode of the Triton kernels."""
+    mode = "Triton interpreter" if INTERPRET else "compiled Triton"
+    return f"{device_name()}; {mode}; torch {torch.__version__}"

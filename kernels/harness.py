@@ -1,0 +1,327 @@
+"""The invariance harness: one module used by tests, notebooks and benchmarks.
+
+Question it answers: *is row ``p`` of ``f(batch)`` bitwise equal to ``f(row p alone)``
+for every batch size, every position ``p`` and every seed?*  And, as a search: *at which
+batch size does ``f`` first diverge?*
+
+Contract
+--------
+``make_batch(batch_size, seed)`` returns a tensor, or a tuple of tensors, whose dim 0 is
+the batch (rows).  ``f(*inputs)`` returns a tensor or a tuple of tensors whose dim 0 is
+the batch.  Row ``p`` alone means every input sliced ``[p:p+1]`` along dim 0 (a
+contiguous one-row batch).  Comparison is on the *bits* (a NaN equals a NaN with the same
+payload, ``-0.0`` differs from ``+0.0``): stricter than ``torch.equal``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "Mismatch",
+    "InvarianceReport",
+    "bits",
+    "bitwise_equal",
+    "ulp_distance",
+    "compare",
+    "check_invariance",
+    "first_divergence",
+    "row_maker",
+]
+
+_INT_OF = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _INT_OF[getattr(torch, _name)] = torch.int8
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit pattern of a floating tensor as a signed integer tensor (same shape).
+
+    Integer and bool tensors are returned as they are."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"bits: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype in _INT_OF:
+        return t.contiguous().view(_INT_OF[t.dtype])
+    if t.dtype.is_floating_point or t.is_complex():
+        raise TypeError(f"bits: unsupported dtype {t.dtype}")
+    return t
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` have the same dtype, shape and bits."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(bits(a.detach().cpu()), bits(b.detach().cpu())))
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Element-wise distance in units in the last place (int64 tensor).
+
+    Floats are mapped to integers ordered like the reals (sign-magnitude to two's
+    complement), so that adjacent representable values are 1 apart and
+    ``+0.0``/``-0.0`` are 0 apart.  For integer tensors it is ``|a - b|``."""
+    if a.dtype != b.dtype:
+        raise TypeError(f"ulp_distance: dtypes differ ({a.dtype} vs {b.dtype})")
+    if a.shape != b.shape:
+        raise ValueError(f"ulp_distance: shapes differ ({tuple(a.shape)} vs {tuple(b.shape)})")
+    a = a.detach().cpu()
+    b = b.detach().cpu()
+    if a.dtype not in _INT_OF:
+        return (a.long() - b.long()).abs()
+    width = torch.finfo(a.dtype).bits
+    ia = bits(a).long()
+    ib = bits(b).long()
+    if width < 64:
+        ia = ia & ((1 << width) - 1)  # unsigned view of the bit pattern
+        ib = ib & ((1 << width) - 1)
+        sign = 1 << (width - 1)
+        mag_mask = sign - 1
+        oa = torch.where(ia & sign != 0, -(ia & mag_mask), ia & mag_mask)
+        ob = torch.where(ib & sign != 0, -(ib & mag_mask), ib & mag_mask)
+    else:  # float64: ordered mapping inside int64 (may saturate for huge distances)
+        mag_mask = (1 << 63) - 1
+        oa = torch.where(ia < 0, -(ia & mag_mask), ia)
+        ob = torch.where(ib < 0, -(ib & mag_mask), ib)
+    return (oa - ob).abs()
+
+
+@dataclass
+class Mismatch:
+    """One (batch size, position, seed) at which a row's bits differ from the row alone."""
+
+    batch_size: int
+    position: int
+    seed: int
+    output: int  # index of the output tensor (for ops returning several)
+    elements_differing: int
+    first_index: tuple  # index within the row of the first differing element
+    got: float  # value in the batch
+    alone: float  # value when the row is alone
+    max_ulp: int
+
+    def __str__(self) -> str:
+        return (
+            f"batch {self.batch_size}, row {self.position}, seed {self.seed}, output {self.output}: "
+            f"{self.elements_differing} element(s) differ, first at {self.first_index} "
+            f"({self.got!r} vs {self.alone!r} alone), max {self.max_ulp} ulp"
+        )
+
+
+@dataclass
+class InvarianceReport:
+    """Structured result of :func:`check_invariance`."""
+
+    checks: int = 0
+    mismatches: list = field(default_factory=list)
+    batch_sizes: tuple = ()
+    seeds: tuple = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.checks > 0 and not self.mismatches
+
+    @property
+    def first(self) -> Mismatch | None:
+        return self.mismatches[0] if self.mismatches else None
+
+    @property
+    def rows_differing(self) -> int:
+        return len(self.mismatches)
+
+    @property
+    def elements_differing(self) -> int:
+        return sum(m.elements_differing for m in self.mismatches)
+
+    @property
+    def max_ulp(self) -> int:
+        return max((m.max_ulp for m in self.mismatches), default=0)
+
+    @property
+    def diverging_batch_sizes(self) -> list:
+        return sorted({m.batch_size for m in self.mismatches})
+
+    def summary(self) -> str:
+        if self.checks == 0:
+            return "no checks were run"
+        if self.passed:
+            return f"bitwise invariant: {self.checks} row checks, 0 differ"
+        return (
+            f"NOT invariant: {self.rows_differing} of {self.checks} row checks differ "
+            f"({self.elements_differing} elements, max {self.max_ulp} ulp); first: {self.first}"
+        )
+
+    def __bool__(self) -> bool:  # so that ``assert report`` reads naturally
+        return self.passed
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def compare(got: torch.Tensor, alone: torch.Tensor, *, batch_size: int = 0, position: int = 0,
+            seed: int = 0, output: int = 0) -> Mismatch | None:
+    """Compare two rows bitwise; ``None`` when equal, else a :class:`Mismatch`."""
+    if got.shape != alone.shape or got.dtype != alone.dtype:
+        raise ValueError(
+            f"compare: the row in the batch has shape {tuple(got.shape)}/{got.dtype} but alone "
+            f"{tuple(alone.shape)}/{alone.dtype}"
+        )
+    got = got.detach().cpu()
+    alone = alone.detach().cpu()
+    diff = bits(got) != bits(alone)
+    n = int(diff.sum())
+    if n == 0:
+        return None
+    idx = tuple(int(i) for i in diff.nonzero()[0])
+    return Mismatch(
+        batch_size=batch_size, position=position, seed=seed, output=output,
+        elements_differing=n, first_index=idx,
+        got=float(got[idx]) if got.dtype.is_floating_point else int(got[idx]),
+        alone=float(alone[idx]) if alone.dtype.is_floating_point else int(alone[idx]),
+        max_ulp=int(ulp_distance(got, alone).max()),
+    )
+
+
+def _positions(spec, bs: int) -> list:
+    if spec is None:
+        return sorted({0, bs // 2, bs - 1})
+    if spec == "all":
+        return list(range(bs))
+    if callable(spec):
+        return sorted(set(int(p) for p in spec(bs)))
+    out = sorted({(int(p) if p >= 0 else bs + int(p)) for p in spec})
+    return [p for p in out if 0 <= p < bs]
+
+
+def _validate(f, make_batch, batch_sizes, seeds):
+    if not callable(f):
+        raise TypeError(f"f must be callable, got {type(f).__name__}")
+    if not callable(make_batch):
+        raise TypeError(f"make_batch must be callable, got {type(make_batch).__name__}")
+    batch_sizes = list(batch_sizes)
+    if not batch_sizes:
+        raise ValueError("batch_sizes is empty")
+    for b in batch_sizes:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"batch_sizes must be positive ints, got {b!r}")
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("seeds is empty")
+    return batch_sizes, seeds
+
+
+def _outputs(f, inputs, what: str) -> tuple:
+    out = _as_tuple(f(*inputs))
+    for i, o in enumerate(out):
+        if not isinstance(o, torch.Tensor):
+            raise TypeError(f"f must return tensors; output {i} of {what} is {type(o).__name__}")
+    return out
+
+
+def _check_one(f, batch, bs, seed, positions, report, stop_at_first):
+    inputs = _as_tuple(batch)
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"make_batch must return tensors; input {i} is {type(t).__name__}")
+        if t.shape[0] != bs:
+            raise ValueError(
+                f"make_batch({bs}, seed={seed}) returned input {i} with {t.shape[0]} rows, expected {bs}"
+            )
+    outs = _outputs(f, inputs, f"the batch of {bs}")
+    for o in outs:
+        if o.shape[0] != bs:
+            raise ValueError(f"f returned {o.shape[0]} rows for a batch of {bs}: dim 0 must be the batch")
+    for p in _positions(positions, bs):
+        alone = _outputs(f, tuple(t[p:p + 1] for t in inputs), f"row {p} alone")
+        for k, (o, a) in enumerate(zip(outs, alone)):
+            report.checks += 1
+            m = compare(o[p], a[0], batch_size=bs, position=p, seed=seed, output=k)
+            if m is not None:
+                report.mismatches.append(m)
+                if stop_at_first:
+                    return True
+    return False
+
+
+def check_invariance(
+    f: Callable,
+    make_batch: Callable,
+    batch_sizes: Iterable[int],
+    *,
+    positions: Sequence[int] | str | Callable | None = None,
+    seeds: Iterable[int] = (0,),
+    stop_at_first: bool = False,
+) -> InvarianceReport:
+    """Check bitwise that row ``p`` of ``f(batch)`` equals ``f(row p alone)``.
+
+    ``positions``: ``None`` (first, middle, last row), ``"all"``, a list of row indices
+    (negative counts from the end; out-of-range ones are skipped), or ``bs -> indices``.
+    Returns an :class:`InvarianceReport`; ``report.passed`` is the verdict."""
+    batch_sizes, seeds = _validate(f, make_batch, batch_sizes, seeds)
+    report = InvarianceReport(batch_sizes=tuple(batch_sizes), seeds=tuple(seeds))
+    for seed in seeds:
+        for bs in batch_sizes:
+            if _check_one(f, make_batch(bs, seed), bs, seed, positions, report, stop_at_first):
+                return report
+    return report
+
+
+def first_divergence(
+    f: Callable,
+    make_batch: Callable,
+    batch_sizes: Iterable[int],
+    *,
+    positions: Sequence[int] | str | Callable | None = (0,),
+    seeds: Iterable[int] = (0,),
+) -> tuple:
+    """Search the smallest batch size (in the order given) at which ``f`` diverges.
+
+    Returns ``(batch_size or None, report)``; the report holds every check made up to and
+    including the first divergence."""
+    batch_sizes, seeds = _validate(f, make_batch, batch_sizes, seeds)
+    report = InvarianceReport(batch_sizes=tuple(batch_sizes), seeds=tuple(seeds))
+    for bs in batch_sizes:
+        for seed in seeds:
+            if _check_one(f, make_batch(bs, seed), bs, seed, positions, report, True):
+                return bs, report
+    return None, report
+
+
+def row_maker(row_shape: Sequence[int] | int, *, dtype: torch.dtype = torch.float32,
+              device=None, scale: float = 1.0) -> Callable:
+    """A ``make_batch`` whose row ``r`` is the same for every batch size (a seeded stream).
+
+    Rows are drawn once per seed at the largest size asked so far and sliced, so that the
+    batch of 300 starts with the batch of 255 (the seed 002 method)."""
+    if isinstance(row_shape, int):
+        row_shape = (row_shape,)
+    row_shape = tuple(int(s) for s in row_shape)
+    if any(s < 1 for s in row_shape):
+        raise ValueError(f"row_shape must be positive, got {row_shape}")
+    if device is None:
+        from .device import DEVICE as device
+    cache: dict = {}
+
+    def one_row(seed: int, r: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + r)
+        return torch.randn(row_shape, generator=g, dtype=torch.float32) * scale
+
+    def make(bs: int, seed: int = 0) -> torch.Tensor:
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"batch size must be a positive int, got {bs!r}")
+        have = cache.get(seed)
+        n = 0 if have is None else have.shape[0]
+        if n < bs:
+            new = torch.stack([one_row(seed, r) for r in range(n, bs)]).to(dtype=dtype, device=device)
+            cache[seed] = have = new if have is None else torch.cat([have, new])
+        return have[:bs]
+
+    return make
