@@ -38,13 +38,15 @@ WARP_SIZE = 32
 _MAX_BLOCK = 1024
 
 
-def _check_launch(n: int, block_size: int, vec_width: int, misalign: int) -> None:
+def _check_launch(n: int, block_size: int, vec_width: int, misalign: int, warp_size: int = WARP_SIZE) -> None:
+    if warp_size not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"warp_size must be a power of two <= 32, got {warp_size!r}")
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n (row length) must be a positive int, got {n!r}")
     if (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
-            or block_size < WARP_SIZE or block_size > _MAX_BLOCK or block_size % WARP_SIZE):
+            or block_size < warp_size or block_size > _MAX_BLOCK or block_size % warp_size):
         raise ValueError(
-            f"block_size must be a multiple of {WARP_SIZE} in [{WARP_SIZE}, {_MAX_BLOCK}], got {block_size!r}"
+            f"block_size must be a multiple of warp_size={warp_size} in [{warp_size}, {_MAX_BLOCK}], got {block_size!r}"
         )
     if vec_width not in (1, 2, 4, 8, 16):
         raise ValueError(f"vec_width must be one of 1, 2, 4, 8, 16, got {vec_width!r}")
@@ -52,9 +54,10 @@ def _check_launch(n: int, block_size: int, vec_width: int, misalign: int) -> Non
         raise ValueError(f"misalign must be an int in [0, vec_width), got {misalign!r}")
 
 
-def thread_schedule(n: int, block_size: int, vec_width: int = 1, misalign: int = 0) -> np.ndarray:
+def thread_schedule(n: int, block_size: int, vec_width: int = 1, misalign: int = 0, *,
+                    warp_size: int = WARP_SIZE) -> np.ndarray:
     """Element indices each thread accumulates, in order: ``(block_size, L)`` int64, ``-1`` = none."""
-    _check_launch(n, block_size, vec_width, misalign)
+    _check_launch(n, block_size, vec_width, misalign, warp_size)
     prefix = min(misalign, n) if vec_width > 1 else 0
     body = n - prefix
     n_vec = body // vec_width
@@ -112,16 +115,18 @@ def _to_f32_rows(x) -> np.ndarray:
 
 
 def block_reduce(x, block_size: int, vec_width: int = 1, *, square: bool = False,
-                 misalign: int = 0, return_partials: bool = False):
+                 misalign: int = 0, return_partials: bool = False, warp_size: int = WARP_SIZE):
     """fp32 sum (or sum of squares) of each row of ``x`` as one CUDA block computes it.
 
     ``x``: ``(rows, n)`` or ``(n,)``, a torch tensor or numpy array (converted to fp32
     exactly when it is bf16/fp16).  Returns ``(rows,)`` float32; with
     ``return_partials=True`` also the per-thread partials ``(rows, block_size)`` and the
-    warp aggregates ``(rows, block_size // 32)``."""
+    warp aggregates ``(rows, block_size // warp_size)``.  ``warp_size`` other than 32 is
+    for hand-sized teaching examples (a real GPU warp has 32 lanes)."""
     x = _to_f32_rows(x)
     rows, n = x.shape
-    sched = thread_schedule(n, block_size, vec_width, misalign)
+    _check_launch(n, block_size, vec_width, misalign, warp_size)
+    sched = thread_schedule(n, block_size, vec_width, misalign, warp_size=warp_size)
     padded = np.concatenate([x, np.zeros((rows, 1), np.float32)], axis=1)
     gathered = padded[:, np.where(sched < 0, n, sched)]  # (rows, B, L); padding adds +0.0
     acc = np.zeros((rows, block_size), np.float32)
@@ -129,7 +134,7 @@ def block_reduce(x, block_size: int, vec_width: int = 1, *, square: bool = False
         v = gathered[:, :, j]
         acc = fma_f32(v, v, acc) if square else (acc + v).astype(np.float32)
     partials = acc
-    lanes = acc.reshape(rows, block_size // WARP_SIZE, WARP_SIZE)
+    lanes = acc.reshape(rows, block_size // warp_size, warp_size)
     while lanes.shape[2] > 1:  # offsets 1, 2, 4, 8, 16: adjacent pairs
         lanes = (lanes[:, :, 0::2] + lanes[:, :, 1::2]).astype(np.float32)
     warps = lanes[:, :, 0]

@@ -29,6 +29,7 @@ __all__ = [
     "check_invariance",
     "first_divergence",
     "row_maker",
+    "seeded_normal",
 ]
 
 _INT_OF = {
@@ -295,12 +296,33 @@ def first_divergence(
     return None, report
 
 
+def seeded_normal(shape, seed: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Bell-shaped random values that are *bitwise the same on every machine*.
+
+    ``torch.randn`` may differ in the last bits between CPU vector paths, which would make
+    a notebook's checked output depend on the machine.  Here each value is
+    ``(u1 + u2 + u3 + u4 - 2) * sqrt(3)`` in float64 with ``u`` from numpy's PCG64
+    ``random()`` (bit-exact everywhere; only IEEE additions and one multiply follow): mean
+    0, standard deviation 1, full precision; then rounded to ``dtype`` (RNE)."""
+    import numpy as np
+
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"shape must be non-negative, got {shape}")
+    rng = np.random.Generator(np.random.PCG64(int(seed)))
+    u = rng.random(size=(4,) + shape)
+    x = (((u[0] + u[1]) + (u[2] + u[3])) - 2.0) * np.float64(1.7320508075688772)
+    return torch.from_numpy(x).to(dtype=dtype, device=device if device is not None else "cpu")
+
+
 def row_maker(row_shape: Sequence[int] | int, *, dtype: torch.dtype = torch.float32,
               device=None, scale: float = 1.0) -> Callable:
-    """A ``make_batch`` whose row ``r`` is the same for every batch size (a seeded stream).
+    """A ``make_batch`` whose row ``r`` is the same for every batch size and every machine.
 
-    Rows are drawn once per seed at the largest size asked so far and sliced, so that the
-    batch of 300 starts with the batch of 255 (the seed 002 method)."""
+    Row ``r`` of seed ``s`` is :func:`seeded_normal` of its own stream, so the batch of 300
+    starts with the batch of 255 (the seed 002 method); rows are cached per seed."""
     if isinstance(row_shape, int):
         row_shape = (row_shape,)
     row_shape = tuple(int(s) for s in row_shape)
@@ -311,8 +333,7 @@ def row_maker(row_shape: Sequence[int] | int, *, dtype: torch.dtype = torch.floa
     cache: dict = {}
 
     def one_row(seed: int, r: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + r)
-        return torch.randn(row_shape, generator=g, dtype=torch.float32) * scale
+        return seeded_normal(row_shape, int(seed) * 1_000_003 + r) * scale
 
     def make(bs: int, seed: int = 0) -> torch.Tensor:
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The kit's two entry points (README.md):
+#   bash tools/kit.sh book   # set up, then build the book, executing every chapter on the present device
+#   bash tools/kit.sh test   # set up, then run the kernel tests and nbval over every chapter
+# Set-up is idempotent: a virtual environment in .venv (it sees the system's packages, so a
+# GPU box's own torch/triton are used as they are); on a machine without torch it installs
+# torch 2.13.0 (on this project's CPU machines that is the CPU build on disk).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+setup() {
+  if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv --system-site-packages .venv
+  fi
+  local vpy=.venv/bin/python
+  if ! "$vpy" -c "import torch" 2>/dev/null; then
+    "$vpy" -m pip install -q --upgrade pip
+    "$vpy" -m pip install -q "torch==2.13.0"
+  fi
+  "$vpy" -m pip install -q -r requirements.txt
+  "$vpy" -m pip install -q --no-deps -e .
+}
+
+case "${1:-}" in
+  book)
+    setup
+    .venv/bin/jupyter-book build . -W -n --keep-going
+    echo "book: _build/html/index.html"
+    ;;
+  test)
+    setup
+    .venv/bin/python -m pytest tests book --nbval --nbval-sanitize-with book/sanitize.cfg -p no:cacheprovider "${@:2}"
+    ;;
+  *)
+    echo "usage: bash tools/kit.sh book|test [pytest args]" >&2
+    exit 2
+    ;;
+esac
