@@ -1,0 +1,466 @@
+"""The RMSNorm family: float64 references, batch-*variant* and batch-*invariant* Triton kernels.
+
+Five ops, the ones vLLM fixed for batch invariance (seed 002):
+
+* ``rms_norm``: ``out = (dtype)((dtype)(x * s) * w)``, ``s = 1/sqrt(mean(x^2) + eps)``;
+* ``fused_add_rms_norm``: ``z = (dtype)(x + residual)``; ``residual <- z``; ``out = norm(z)``;
+* ``rms_norm_static_fp8_quant``: ``q = fp8(clamp(norm(x) * (1/scale), -448, 448))``;
+* ``fused_add_rms_norm_static_fp8_quant``: the two above fused (``residual <- z``,
+  ``q = fp8(clamp(norm(z) * (1/scale)))``);
+* ``rms_norm_per_block_quant``: ``y = norm(x)``; per group of ``group_size`` columns
+  ``scale = max(absmax(y)/448, 1/(448*512))``, ``q = fp8(clamp(y * (1/scale)))``.
+
+Every op takes ``impl=``:
+
+* ``"reference"``: float64 torch, rounded once to the output dtype (the truth for accuracy);
+* ``"variant"``: the Triton kernel launched the way production launches it: the reduction
+  block is picked from ``num_tokens`` (vLLM: ``max_block = 1024 if num_tokens < 256 else 256``;
+  per-block quant: ``512 if num_tokens <= 256 else 256``).  The kernel sums ``x^2`` of a row
+  into a ``[BLOCK]`` fp32 vector, chunk by chunk (like ``BLOCK`` CUDA threads striding over the
+  row), then reduces that vector with ``tl.sum``: another ``BLOCK`` means another summation
+  tree, so a row's bits change when the batch crosses 256 tokens;
+* ``"invariant"`` (default): the *same* kernel, launched with a schedule picked from the row's
+  shape only (hidden size, dtype, device), never from the number of rows.
+
+:func:`launch_config` is the pure function behind both launch policies (the book prints it).
+
+Numerics, identical for variant and invariant: ``ss = sum(x^2)`` in fp32;
+``s = 1 / sqrt_rn(ss / H + eps)`` with correctly rounded division and square root
+(``tl.div_rn``, ``tl.sqrt_rn``; Triton's ``/`` on fp32 is an approximate division on the GPU);
+``y = (dtype)((dtype)(x * s) * w)``; fp8 outputs are ``e4m3fn`` (``torch.float8_e4m3fn``),
+``q = fp8(clamp(y * (1/scale), -448, 448))`` with ``1/scale`` computed in fp32 with ``div_rn``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import checks
+from .device import DEVICE, INTERPRET
+
+import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
+import triton.language as tl  # noqa: E402
+
+__all__ = [
+    "OPS",
+    "IMPLS",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "MIN_SCALE",
+    "launch_config",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_",
+    "rms_norm_static_fp8_quant",
+    "fused_add_rms_norm_static_fp8_quant",
+    "rms_norm_per_block_quant",
+]
+
+IMPLS = ("invariant", "variant", "reference")
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+#: Floor of a dynamic per-group scale (vLLM's ``min_scaling_factor``): keeps 1/scale finite.
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+#: Largest row the invariant kernel keeps whole in registers (one pass); longer rows are
+#: processed in fixed chunks of ``_INVARIANT_CHUNK`` columns.
+_MAX_FUSED = 8192
+_INVARIANT_CHUNK = 4096
+#: Largest group size of ``rms_norm_per_block_quant`` (a group must fit in the variant's
+#: smallest block, 256).
+_MAX_GROUP = 256
+#: Interpreter only: rows per program = min(_INTERPRET_MAX_ROWS, _INTERPRET_TILE // BLOCK).
+_INTERPRET_TILE = 65536
+_INTERPRET_MAX_ROWS = 128
+
+_QUANT = {"rms_norm": 0, "fused_add_rms_norm": 0, "rms_norm_static_fp8_quant": 1,
+          "fused_add_rms_norm_static_fp8_quant": 1, "rms_norm_per_block_quant": 2}
+_RESIDUAL = {"fused_add_rms_norm", "fused_add_rms_norm_static_fp8_quant"}
+
+
+# --------------------------------------------------------------------------------------------
+# Launch policies (pure functions: the book prints what each batch gets)
+# --------------------------------------------------------------------------------------------
+
+def production_max_block(num_tokens: int, op: str = "rms_norm") -> int:
+    """vLLM's batch-dependent choice (seed 002): the bug the variant reproduces."""
+    if op == "rms_norm_per_block_quant":
+        return 512 if num_tokens <= 256 else 256
+    return 1024 if num_tokens < 256 else 256
+
+
+def _rows_per_program(block: int) -> int:
+    """Rows handled by one program: a function of the block (hence of ``hidden``) and the
+    execution mode, never of the batch.  Compiled on a GPU: one row per program (the
+    production layout).  Under the interpreter, which costs about a millisecond per program,
+    a tile of ``ROWS x BLOCK`` (~32k elements) cuts the number of programs; ``tl.sum`` over
+    axis 1 then reduces each row of the tile on its own, in the same order whatever ROWS is
+    (tests check the bits do not depend on the batch)."""
+    if not INTERPRET:
+        return 1
+    rows = max(1, min(_INTERPRET_MAX_ROWS, _INTERPRET_TILE // block))
+    return 1 << (rows.bit_length() - 1)  # a power of two (tl.arange)
+
+
+def _num_warps(block: int) -> int:
+    return min(max(block // 256, 1), 8)
+
+
+def launch_config(num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16,
+                  op: str = "rms_norm", invariant: bool = True) -> dict:
+    """The launch decision of ``op`` for a batch of ``num_tokens`` rows of ``hidden`` columns.
+
+    Returns ``{"op", "impl", "num_tokens", "hidden", "dtype", "max_block", "block",
+    "num_chunks", "rows_per_program", "num_warps", "grid"}``.  ``block`` is the width of the
+    fp32 accumulator a row is summed into; ``num_chunks = ceil(hidden / block)`` chunks are
+    added into it before one ``tl.sum``; so (``block``, ``num_chunks``) *is* the row's
+    reduction tree.  Invariant: a function of ``hidden`` only.  Variant: of ``num_tokens`` too.
+    """
+    if op not in _QUANT:
+        raise ValueError(f"op must be one of {sorted(_QUANT)}, got {op!r}")
+    num_tokens = checks.positive_int("num_tokens", num_tokens)
+    hidden = checks.positive_int("hidden", hidden)
+    if dtype not in checks.FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of {checks.FLOAT_DTYPES}, got {dtype}")
+    full = triton.next_power_of_2(hidden)
+    if invariant:
+        max_block = _MAX_FUSED
+        block = full if full <= _MAX_FUSED else _INVARIANT_CHUNK
+    else:
+        max_block = production_max_block(num_tokens, op)
+        block = min(full, max_block)
+    rows = _rows_per_program(block)
+    return {
+        "op": op,
+        "impl": "invariant" if invariant else "variant",
+        "num_tokens": num_tokens,
+        "hidden": hidden,
+        "dtype": str(dtype).replace("torch.", ""),
+        "max_block": max_block,
+        "block": block,
+        "num_chunks": triton.cdiv(hidden, block),
+        "rows_per_program": rows,
+        "num_warps": _num_warps(block),
+        "grid": triton.cdiv(num_tokens, rows),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The Triton kernel (one kernel; variant and invariant differ only in BLOCK / NUM_CHUNKS)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> fp32 holding ``v`` rounded to bf16, to nearest even, by integer arithmetic.
+    (The Triton interpreter's fp32->bf16 cast truncates, and it mangles subnormals both ways;
+    the GPU rounds to nearest even.  Doing the rounding and the bf16 <-> fp32 moves with
+    integer ops and bitcasts gives the IEEE result on both.)"""
+    u = v.to(tl.uint32, bitcast=True)
+    u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+    return tl.where(v != v, v, u.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _round(v, DTYPE: tl.constexpr):
+    """fp32 -> fp32 holding ``(DTYPE)v`` (round to nearest even)."""
+    if DTYPE == tl.bfloat16:
+        return _round_bf16(v)
+    elif DTYPE == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _to_f32(x):
+    """Exact widening to fp32 (bf16 by a 16-bit shift of its bits)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _from_f32(v, DTYPE: tl.constexpr):
+    """fp32 that already holds a DTYPE value -> DTYPE, exactly (bf16: keep the top 16 bits)."""
+    if DTYPE == tl.bfloat16:
+        return (v.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(DTYPE)
+
+
+@triton.jit
+def _round_fp8e4m3(v):
+    """fp32 in [-448, 448] -> fp32 holding it rounded to float8 e4m3fn, to nearest even.
+    Normal range (|v| >= 2^-6): round the fp32 mantissa to 3 bits with integer arithmetic;
+    subnormals (spacing 2^-9): add and subtract 2^14, whose fp32 ulp is 2^-9.  (The
+    interpreter's own fp32->fp8 cast rounds ties up and mishandles carries; after this the
+    cast is exact on interpreter and GPU alike.)"""
+    u = v.to(tl.uint32, bitcast=True)
+    sign = u & 0x80000000
+    a_bits = u & 0x7FFFFFFF
+    a = a_bits.to(tl.float32, bitcast=True)
+    normal = (a_bits + (0x7FFFF + ((a_bits >> 20) & 1))) & 0xFFF00000
+    sub = ((a + 16384.0) - 16384.0).to(tl.uint32, bitcast=True)
+    r = tl.where(a < 0.015625, sub, normal) | sign
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_chunk(x_ptr, res_ptr, res_out_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """fp32 values of one chunk of the input; with a residual: z = (dtype)(x + r), stored."""
+    x = _to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
+    if HAS_RESIDUAL:
+        r = _to_f32(tl.load(res_ptr + offs, mask=mask, other=0.0))
+        x = _round(x + r, res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + offs, _from_f32(x, res_out_ptr.dtype.element_ty), mask=mask)
+    return x
+
+
+@triton.jit
+def _finish_chunk(x, s, w_ptr, out_ptr, scale_ptr, scales_ptr, rows, row_mask, start, cols, offs, mask,
+                  H: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
+                  GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """y = (dtype)((dtype)(x*s) * w), then store it (QUANT 0), its static fp8 quantization
+    (QUANT 1) or its per-group dynamic fp8 quantization and the group scales (QUANT 2)."""
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)  # [1, BLOCK]
+    xs = _round(x * s[:, None], w.dtype)
+    y = _round(xs * _to_f32(w), w.dtype)
+    if QUANT == 0:
+        tl.store(out_ptr + offs, _from_f32(y, out_ptr.dtype.element_ty), mask=mask)
+    elif QUANT == 1:
+        inv = tl.div_rn(1.0, tl.load(scale_ptr))
+        q = _round_fp8e4m3(tl.minimum(tl.maximum(y * inv, -FP8_MAX), FP8_MAX))
+        tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        NG: tl.constexpr = BLOCK // GROUP
+        yg = tl.reshape(y, (ROWS, NG, GROUP))
+        amax = tl.max(tl.abs(yg), axis=2)  # [ROWS, NG]; max is order-free
+        scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE)
+        inv = tl.div_rn(tl.full((ROWS, NG), 1.0, tl.float32), scale)
+        q = _round_fp8e4m3(tl.minimum(tl.maximum(yg * inv[:, :, None], -FP8_MAX), FP8_MAX))
+        q = tl.reshape(q, (ROWS, BLOCK))
+        tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+        NGROUPS: tl.constexpr = H // GROUP
+        g = start // GROUP + tl.arange(0, NG)[None, :]  # [1, NG]: group indices of this chunk
+        g_offs = rows.to(tl.int64)[:, None] * NGROUPS + g
+        tl.store(scales_ptr + g_offs, scale, mask=row_mask[:, None] & (g < NGROUPS))
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr,
+                     n_rows, eps,
+                     H: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                     ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
+                     GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """ROWS rows per program.  A row's sum of squares: ``acc[j] = sum_k x[k*BLOCK + j]^2``
+    (chunks in order), then ``tl.sum(acc)``; so the tree is fixed by (BLOCK, NUM_CHUNKS)."""
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    row_offs = rows.to(tl.int64)[:, None] * H
+    cols0 = tl.arange(0, BLOCK)[None, :]
+    if NUM_CHUNKS == 1:  # the whole row in registers: one read, one write
+        mask = row_mask[:, None] & (cols0 < H)
+        x = _load_chunk(x_ptr, res_ptr, res_out_ptr, row_offs + cols0, mask, HAS_RESIDUAL)
+        ss = tl.sum(x * x, axis=1)
+        s = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, tl.full((ROWS,), H, tl.float32)) + eps))
+        _finish_chunk(x, s, w_ptr, out_ptr, scale_ptr, scales_ptr, rows, row_mask, 0, cols0,
+                      row_offs + cols0, mask, H, BLOCK, ROWS, QUANT, GROUP, FP8_MAX, MIN_SCALE)
+    else:
+        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        for k in range(NUM_CHUNKS):
+            cols = k * BLOCK + cols0
+            mask = row_mask[:, None] & (cols < H)
+            x = _load_chunk(x_ptr, res_ptr, res_out_ptr, row_offs + cols, mask, HAS_RESIDUAL)
+            acc += x * x
+        ss = tl.sum(acc, axis=1)
+        s = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, tl.full((ROWS,), H, tl.float32)) + eps))
+        tl.debug_barrier()  # z written by pass 1 is read back by pass 2
+        for k in range(NUM_CHUNKS):
+            cols = k * BLOCK + cols0
+            mask = row_mask[:, None] & (cols < H)
+            if HAS_RESIDUAL:  # re-read z (the residual input may have been overwritten)
+                x = _to_f32(tl.load(res_out_ptr + row_offs + cols, mask=mask, other=0.0))
+            else:
+                x = _to_f32(tl.load(x_ptr + row_offs + cols, mask=mask, other=0.0))
+            _finish_chunk(x, s, w_ptr, out_ptr, scale_ptr, scales_ptr, rows, row_mask, k * BLOCK,
+                          cols, row_offs + cols, mask, H, BLOCK, ROWS, QUANT, GROUP, FP8_MAX, MIN_SCALE)
+
+
+def _launch(op, x, residual, residual_out, weight, out, scale, scales, eps, group_size, invariant):
+    n, h = x.shape
+    cfg = launch_config(n, h, x.dtype, op, invariant)
+    _rms_norm_kernel[(cfg["grid"],)](
+        x, residual if residual is not None else x, residual_out if residual_out is not None else x,
+        weight, out, scale if scale is not None else weight, scales if scales is not None else out,
+        n, eps,
+        H=h, BLOCK=cfg["block"], NUM_CHUNKS=cfg["num_chunks"], ROWS=cfg["rows_per_program"],
+        HAS_RESIDUAL=residual is not None, QUANT=_QUANT[op], GROUP=group_size,
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=cfg["num_warps"],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# float64 references
+# --------------------------------------------------------------------------------------------
+
+def _norm64(x64: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    s = 1.0 / torch.sqrt((x64 * x64).mean(dim=-1, keepdim=True) + eps)
+    return x64 * s * weight.double()
+
+
+def _fp8_64(y64: torch.Tensor, inv_scale64) -> torch.Tensor:
+    return (y64 * inv_scale64).clamp(-FP8_MAX, FP8_MAX).to(torch.float32).to(FP8_DTYPE)
+
+
+def _reference(op, x, residual, weight, scale, eps, group_size):
+    """Returns the op's outputs (tuple) computed in float64, each rounded once at the end."""
+    x64 = x.double()
+    outs = []
+    if residual is not None:
+        z = (x.float() + residual.float()).to(x.dtype)  # the op's own definition of z
+        outs.append(z)
+        x64 = z.double()
+    y64 = _norm64(x64, weight, eps)
+    q = _QUANT[op]
+    if q == 0:
+        main = [y64.to(x.dtype)]
+    elif q == 1:
+        main = [_fp8_64(y64, 1.0 / scale.double().reshape(()))]
+    else:
+        g = y64.reshape(y64.shape[0], -1, group_size)
+        sc = (g.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+        main = [_fp8_64(g, 1.0 / sc[..., None]).reshape(y64.shape), sc.to(torch.float32)]
+    return tuple(main + outs)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation and dispatch
+# --------------------------------------------------------------------------------------------
+
+def _check_inputs(x, weight, eps, impl, residual=None, scale=None, group_size=None):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    checks.tensor("x", x, dim=2)
+    checks.tensor("weight", weight, dim=1)
+    checks.same_dtype("weight", weight, "x", x)
+    checks.same_device("weight", weight, "x", x)
+    h = x.shape[1]
+    if weight.shape[0] != h:
+        raise ValueError(f"weight has {weight.shape[0]} elements but x has hidden size {h}")
+    if residual is not None:
+        checks.tensor("residual", residual, dim=2)
+        checks.same_dtype("residual", residual, "x", x)
+        checks.same_device("residual", residual, "x", x)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}")
+    if scale is not None:
+        checks.tensor("scale", scale, dtypes=(torch.float32,))
+        checks.same_device("scale", scale, "x", x)
+        if scale.numel() != 1:
+            raise ValueError(f"scale must have exactly 1 element, got shape {tuple(scale.shape)}")
+        v = float(scale.reshape(()).item())
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"scale must be positive and finite, got {v!r}")
+    if group_size is not None:
+        checks.positive_int("group_size", group_size)
+        if group_size & (group_size - 1) or group_size > _MAX_GROUP:
+            raise ValueError(f"group_size must be a power of two <= {_MAX_GROUP}, got {group_size}")
+        if h % group_size:
+            raise ValueError(f"group_size {group_size} must divide the hidden size {h}")
+    eps = checks.positive_float("eps", eps)
+    if not math.isfinite(eps):
+        raise ValueError(f"eps must be finite, got {eps!r}")
+    if impl != "reference" and x.device.type != DEVICE.type:
+        where = "under the Triton interpreter" if INTERPRET else "for the compiled Triton kernels"
+        raise ValueError(f"x must be on {DEVICE.type} {where}, got {x.device}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"x must be on cpu or cuda, got {x.device}")
+    return eps
+
+
+def _output(name, t, shape, dtype, like):
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    checks.tensor(name, t, dtypes=(dtype,))
+    checks.same_device(name, t, "x", like)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
+def _run(op, x, weight, eps, impl, *, residual=None, scale=None, group_size=128,
+         out=None, residual_out=None, scales_out=None):
+    q = _QUANT[op]
+    out = _output("out", out, x.shape, x.dtype if q == 0 else FP8_DTYPE, x)
+    if residual is not None:
+        residual_out = _output("residual_out", residual_out, x.shape, x.dtype, x)
+    if q == 2:
+        scales_out = _output("scales_out", scales_out, (x.shape[0], x.shape[1] // group_size),
+                             torch.float32, x)
+    results = [out] + ([scales_out] if q == 2 else []) + ([residual_out] if residual is not None else [])
+    if impl == "reference":
+        for dst, src in zip(results, _reference(op, x, residual, weight, scale, eps, group_size)):
+            dst.copy_(src)
+    else:
+        _launch(op, x, residual, residual_out, weight, out, scale, scales_out, eps, group_size,
+                impl == "invariant")
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def rms_norm(x, weight, eps=1e-6, *, impl="invariant", out=None):
+    """``(dtype)((dtype)(x * s) * weight)`` with ``s = 1/sqrt(mean(x^2) + eps)``; ``x`` is
+    ``(num_tokens, hidden)``.  Returns ``out`` (allocated when not given)."""
+    eps = _check_inputs(x, weight, eps, impl)
+    return _run("rms_norm", x, weight, eps, impl, out=out)
+
+
+def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, impl="invariant", out=None, residual_out=None):
+    """``z = (dtype)(x + residual)``; returns ``(rms_norm(z), z)``, written to ``out`` and
+    ``residual_out`` when given (they may alias ``x`` and ``residual``)."""
+    eps = _check_inputs(x, weight, eps, impl, residual=residual)
+    return _run("fused_add_rms_norm", x, weight, eps, impl, residual=residual, out=out,
+                residual_out=residual_out)
+
+
+def fused_add_rms_norm_(x, residual, weight, eps=1e-6, *, impl="invariant"):
+    """In place, like vLLM's ``fused_add_rms_norm``: ``residual <- x + residual``,
+    ``x <- rms_norm(residual)``.  Returns ``(x, residual)``."""
+    return fused_add_rms_norm(x, residual, weight, eps, impl=impl, out=x, residual_out=residual)
+
+
+def rms_norm_static_fp8_quant(x, weight, scale, eps=1e-6, *, impl="invariant", out=None):
+    """``fp8_e4m3fn(clamp(rms_norm(x) * (1/scale), -448, 448))``; ``scale`` a 1-element fp32 tensor."""
+    eps = _check_inputs(x, weight, eps, impl, scale=scale)
+    return _run("rms_norm_static_fp8_quant", x, weight, eps, impl, scale=scale, out=out)
+
+
+def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps=1e-6, *, impl="invariant",
+                                        out=None, residual_out=None):
+    """``z = (dtype)(x + residual)``; returns ``(fp8 quant of rms_norm(z), z)``."""
+    eps = _check_inputs(x, weight, eps, impl, residual=residual, scale=scale)
+    return _run("fused_add_rms_norm_static_fp8_quant", x, weight, eps, impl, residual=residual,
+                scale=scale, out=out, residual_out=residual_out)
+
+
+def rms_norm_per_block_quant(x, weight, eps=1e-6, group_size=128, *, impl="invariant", out=None,
+                             scales_out=None):
+    """Dynamic per-group fp8: ``y = rms_norm(x)``; for each group of ``group_size`` columns
+    ``scale = max(absmax(y)/448, MIN_SCALE)`` and ``q = fp8(clamp(y * (1/scale)))``.
+    Returns ``(q, scales)`` with ``scales`` fp32 of shape ``(num_tokens, hidden // group_size)``."""
+    eps = _check_inputs(x, weight, eps, impl, group_size=group_size)
+    return _run("rms_norm_per_block_quant", x, weight, eps, impl, group_size=group_size, out=out,
+                scales_out=scales_out)
+
+
+#: name -> op, for tests and notebooks.  Signatures differ by the op's extra inputs
+#: (``residual``, ``scale``, ``group_size``); every op takes ``impl=`` and ``out=``.
+OPS = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rms_norm_static_fp8_quant": rms_norm_static_fp8_quant,
+    "fused_add_rms_norm_static_fp8_quant": fused_add_rms_norm_static_fp8_quant,
+    "rms_norm_per_block_quant": rms_norm_per_block_quant,
+}
