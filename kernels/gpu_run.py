@@ -72,9 +72,20 @@ def part_decoder_under_load(quick: bool) -> tuple:
     return rows, checks
 
 
+def _rms(name):
+    def part(quick):
+        from . import rms_norm_bench
+        return getattr(rms_norm_bench, name)(quick)
+    return part
+
+
 PARTS = {
     "mm_first_divergence": part_mm_first_divergence,
     "decoder_under_load": part_decoder_under_load,
+    "rms_norm_crosscheck": _rms("crosscheck"),
+    "rms_norm_invariance": _rms("invariance"),
+    "rms_norm_flips": _rms("flips"),
+    "rms_norm_bench": _rms("bench"),
 }
 
 

@@ -1,0 +1,68 @@
+"""Benchmark utilities: median of many timed runs with CUDA events, and the copy ceiling.
+
+Speed is measured here and stored (``kernels.results``), never asserted in a test.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = None, graph: bool = False) -> dict:
+    """Median (and quartiles) of ``reps`` timed calls of ``fn`` in microseconds.
+
+    ``rotate``: a list of argument tuples; call ``fn(*rotate[i % len(rotate)])`` so that
+    inputs larger than L2 in total are not served from cache.  ``graph=True`` captures one
+    call per argument set in a CUDA graph and times replays (removes launch overhead from
+    small kernels' numbers; the same for every implementation compared)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("median_us needs a CUDA GPU")
+    args = rotate if rotate else [()]
+    calls = [(lambda a=a: fn(*a)) for a in args]
+    for i in range(warmup):
+        calls[i % len(calls)]()
+    torch.cuda.synchronize()
+    if graph:
+        graphs = []
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(s)
+        for c in calls:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                c()
+            graphs.append(g)
+        calls = [g.replay for g in graphs]
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    times = []
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        calls[i % len(calls)]()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends))
+    q = statistics.quantiles(times, n=4)
+    return {"median_us": statistics.median(times), "p25_us": q[0], "p75_us": q[2], "reps": reps}
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), in GB/s."""
+    n = nbytes // 2
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    t = median_us(lambda: b.copy_(a), warmup=5, reps=30)["median_us"]
+    return 2 * n / (t * 1e-6) / 1e9
+
+
+def rotating_sets(make, total_bytes_each: int, min_sets: int = 2, l2_bytes: int = 60 << 20) -> list:
+    """Enough argument sets from ``make()`` that together they exceed 3x the L2 cache."""
+    k = max(min_sets, -(-3 * l2_bytes // max(1, total_bytes_each)))
+    return [make() for _ in range(min(k, 64))]

@@ -1,0 +1,137 @@
+"""Chapter 3's GPU measurements: emulator vs CUDA bits, the seed-002 check for every op,
+rows flipped against the batch size, and the benchmark against ``torch.compile``.
+Called by ``python -m kernels.gpu_run``; each function returns ``(rows, checks)``."""
+from __future__ import annotations
+
+import torch
+
+from . import rms_norm_family as fam
+from .bench import copy_bandwidth_gbs, median_us, rotating_sets
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def crosscheck(quick: bool) -> tuple:
+    from .rms_norm_cuda import gpu_crosscheck
+
+    rows = gpu_crosscheck(rows=1000 if not quick else 200)
+    for r in rows:
+        r.setdefault("impl", "cuda-vs-emulator")
+    total = sum(r["rows"] for r in rows)
+    bad = sum(r["rows_differing"] for r in rows)
+    checks = [{"name": "emulator predicts the CUDA kernels' output bits exactly", "passed": bad == 0,
+               "cases": len(rows), "rows_compared": total, "rows_differing": bad}]
+    return rows, checks
+
+
+def invariance(quick: bool) -> tuple:
+    rows, checks = [], []
+    seeds = range(4) if quick else range(16)
+    for backend in fam.BACKENDS:
+        for op in fam.OPS:
+            for dt in ("bfloat16", "float16", "float32"):
+                for impl in ("invariant", "variant"):
+                    r = fam.seed_method(backend, op, impl, DTYPES[dt], hidden=4096, seeds=seeds)
+                    rows.append(r)
+                    print(f"  {backend:<6} {op:<36} {dt:<8} {impl:<9} rows differing {r['rows_differing']}")
+    for backend in fam.BACKENDS:
+        for op in fam.OPS:
+            inv = [r for r in rows if r["backend"] == backend and r["op"] == op and r["impl"] == "invariant"]
+            var = [r for r in rows if r["backend"] == backend and r["op"] == op and r["impl"] == "variant"]
+            checks.append({"name": f"{backend} {op} invariant: first 255 rows bit-identical in 255 vs 300 tokens",
+                           "passed": all(r["rows_differing"] == 0 for r in inv),
+                           "rows_compared": sum(r["rows_compared"] for r in inv)})
+            checks.append({"name": f"{backend} {op} variant: the same check finds a difference (some dtype)",
+                           "passed": any(r["rows_differing"] > 0 for r in var),
+                           "rows_differing_by_dtype": {r["dtype"]: r["rows_differing"] for r in var}})
+    return rows, checks
+
+
+def flips(quick: bool) -> tuple:
+    sizes = [1, 8, 32, 64, 128, 192, 240, 255, 256, 257, 300, 384, 512, 1024, 2048]
+    rows = []
+    for backend in fam.BACKENDS:
+        for dt in ("bfloat16", "float32"):
+            for impl in ("variant", "invariant"):
+                for r in fam.flips_vs_batch(backend, "rms_norm", impl, DTYPES[dt], 4096, sizes,
+                                            rows_alone=256 if quick else 1024):
+                    rows.append({"backend": backend, "op": "rms_norm", "impl": impl, "dtype": dt, "hidden": 4096, **r})
+    checks = [{"name": "invariant rms_norm: no row differs from the row alone at any batch size",
+               "passed": all(r["rows_differing"] == 0 for r in rows if r["impl"] == "invariant")}]
+    return rows, checks
+
+
+def _torch_rms_norm(x, w, eps: float = 1e-6):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _torch_fused_add(x, r, w, eps: float = 1e-6):
+    z = x + r
+    return _torch_rms_norm(z, w, eps), z
+
+
+def bench(quick: bool) -> tuple:
+    from . import rms_norm as tri
+    from . import rms_norm_cuda as cu
+
+    hidden, dtype = 4096, torch.bfloat16
+    es = 2
+    tokens = [1, 16, 256, 4096, 65536] if quick else [1, 4, 16, 64, 256, 1024, 4096, 16384, 32768, 65536]
+    ceiling = copy_bandwidth_gbs()
+    print(f"  copy ceiling {ceiling:.0f} GB/s")
+    compiled_norm = torch.compile(_torch_rms_norm, dynamic=False)
+    compiled_add = torch.compile(_torch_fused_add, dynamic=False)
+    rows = []
+    for t in tokens:
+        def make():
+            w = 1 + 0.1 * torch.randn(hidden, device="cuda", dtype=dtype)
+            x = torch.randn(t, hidden, device="cuda", dtype=dtype)
+            r = torch.randn(t, hidden, device="cuda", dtype=dtype)
+            return x, w, r, torch.empty_like(x)
+        sets = rotating_sets(make, 4 * t * hidden * es)
+        impls = {
+            ("rms_norm", "triton-invariant"): lambda x, w, r, o: tri.rms_norm(x, w, 1e-6, impl="invariant", out=o),
+            ("rms_norm", "triton-variant"): lambda x, w, r, o: tri.rms_norm(x, w, 1e-6, impl="variant", out=o),
+            ("rms_norm", "cuda-invariant"): lambda x, w, r, o: cu.rms_norm(o, x, w, 1e-6, impl="invariant"),
+            ("rms_norm", "cuda-variant"): lambda x, w, r, o: cu.rms_norm(o, x, w, 1e-6, impl="variant"),
+            ("rms_norm", "torch.compile"): lambda x, w, r, o: compiled_norm(x, w),
+            ("fused_add_rms_norm", "triton-invariant"):
+                lambda x, w, r, o: tri.fused_add_rms_norm(x, r, w, 1e-6, impl="invariant", out=o, residual_out=r),
+            ("fused_add_rms_norm", "triton-variant"):
+                lambda x, w, r, o: tri.fused_add_rms_norm(x, r, w, 1e-6, impl="variant", out=o, residual_out=r),
+            ("fused_add_rms_norm", "cuda-invariant"): lambda x, w, r, o: cu.fused_add_rms_norm(x, r, w, 1e-6, impl="invariant"),
+            ("fused_add_rms_norm", "cuda-variant"): lambda x, w, r, o: cu.fused_add_rms_norm(x, r, w, 1e-6, impl="variant"),
+            ("fused_add_rms_norm", "torch.compile"): lambda x, w, r, o: compiled_add(x, r, w),
+        }
+        for (op, impl), fn in impls.items():
+            nbytes = (2 if op == "rms_norm" else 4) * t * hidden * es + hidden * es
+            try:
+                m = median_us(fn, rotate=sets, warmup=5, reps=60 if quick else 200, graph=True)
+            except Exception as e:  # record, don't hide: a failed timing is a row with an error
+                rows.append({"op": op, "impl": impl, "tokens": t, "hidden": hidden, "dtype": "bfloat16",
+                             "median_us": None, "error": repr(e)[:300]})
+                print(f"  {op} {impl} T={t}: ERROR {e!r}"[:200])
+                continue
+            gbs = nbytes / (m["median_us"] * 1e-6) / 1e9
+            rows.append({"op": op, "impl": impl, "tokens": t, "hidden": hidden, "dtype": "bfloat16",
+                         **m, "bytes": nbytes, "gbs": gbs, "fraction_of_copy": gbs / ceiling,
+                         "copy_ceiling_gbs": ceiling, "timing": "CUDA graph replay, rotating inputs"})
+        line = "  T={:<6}".format(t) + " ".join(
+            f"{r['impl']}={r['median_us']:.1f}us" for r in rows if r["tokens"] == t and r["op"] == "rms_norm" and r.get("median_us"))
+        print(line, flush=True)
+    checks = []
+    for op in ("rms_norm", "fused_add_rms_norm"):
+        for t in tokens:
+            cell = {r["impl"]: r for r in rows if r["op"] == op and r["tokens"] == t and r.get("median_us")}
+            best_inv = min((cell[k]["median_us"] for k in cell if k.endswith("invariant")), default=None)
+            peers = [cell[k]["median_us"] for k in ("triton-variant", "cuda-variant", "torch.compile") if k in cell]
+            if best_inv is None or not peers:
+                continue
+            checks.append({"name": f"{op} T={t}: fastest invariant <= fastest of variant and torch.compile",
+                           "passed": best_inv <= min(peers), "ratio_invariant_over_fastest_peer": best_inv / min(peers)})
+            if t >= 16384:
+                frac = max(cell[k]["fraction_of_copy"] for k in cell if k.endswith("invariant"))
+                checks.append({"name": f"{op} T={t}: invariant reaches >= 90% of the copy ceiling",
+                               "passed": frac >= 0.9, "fraction_of_copy": frac})
+    return rows, checks
