@@ -23,6 +23,8 @@ RESULTS = ROOT / "results"
 
 
 def _git_commit() -> str:
+    if os.environ.get("KIT_GIT_COMMIT"):  # a copy of the tree without .git (e.g. a lent GPU box)
+        return os.environ["KIT_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
