@@ -9,13 +9,15 @@ import statistics
 import torch
 
 
-def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = None, graph: bool = False) -> dict:
-    """Median (and quartiles) of ``reps`` timed calls of ``fn`` in microseconds.
+def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = None, graph: bool = False,
+              graph_calls: int = 20) -> dict:
+    """Median (and quartiles) of timed calls of ``fn`` in microseconds, CUDA events.
 
     ``rotate``: a list of argument tuples; call ``fn(*rotate[i % len(rotate)])`` so that
-    inputs larger than L2 in total are not served from cache.  ``graph=True`` captures one
-    call per argument set in a CUDA graph and times replays (removes launch overhead from
-    small kernels' numbers; the same for every implementation compared)."""
+    inputs larger than L2 in total are not served from cache.  ``graph=True`` captures
+    ``graph_calls`` consecutive calls (cycling through ``rotate``) in one CUDA graph, times
+    ``reps`` replays and divides by ``graph_calls``: launch overhead leaves the numbers, the
+    same way for every implementation compared."""
     if not torch.cuda.is_available():
         raise RuntimeError("median_us needs a CUDA GPU")
     args = rotate if rotate else [()]
@@ -23,24 +25,23 @@ def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = No
     for i in range(warmup):
         calls[i % len(calls)]()
     torch.cuda.synchronize()
+    per = 1
     if graph:
-        graphs = []
+        per = max(graph_calls, len(calls))
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for c in calls:
                 c()
         torch.cuda.current_stream().wait_stream(s)
-        for c in calls:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                c()
-            graphs.append(g)
-        calls = [g.replay for g in graphs]
-        for c in calls:
-            c()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(per):
+                calls[i % len(calls)]()
+        g.replay()
+        calls = [g.replay]
     torch.cuda.synchronize()
-    times = []
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
@@ -48,9 +49,10 @@ def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = No
         calls[i % len(calls)]()
         ends[i].record()
     torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends))
+    times = sorted(s.elapsed_time(e) * 1000.0 / per for s, e in zip(starts, ends))
     q = statistics.quantiles(times, n=4)
-    return {"median_us": statistics.median(times), "p25_us": q[0], "p75_us": q[2], "reps": reps}
+    return {"median_us": statistics.median(times), "p25_us": q[0], "p75_us": q[2], "reps": reps,
+            "calls_per_timing": per}
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

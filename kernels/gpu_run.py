@@ -86,6 +86,7 @@ PARTS = {
     "rms_norm_invariance": _rms("invariance"),
     "rms_norm_flips": _rms("flips"),
     "rms_norm_bench": _rms("bench"),
+    "rms_norm_tune_warps": _rms("tune_warps"),
 }
 
 
