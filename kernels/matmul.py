@@ -1,0 +1,584 @@
+"""Matmul: a float64 reference, a batch-*invariant* Triton matmul and its split-K *variant* twin.
+
+Public ops (each takes ``impl=``, ``out=`` and ``config=``):
+
+* ``mm(a, b)``                 ``(M, K) @ (K, N)``
+* ``addmm(bias, a, b)``        ``bias + a @ b``, bias broadcastable to ``(M, N)``
+* ``linear(x, weight, bias)``  ``x @ weight.T + bias``; ``x`` may be N-D (leading dims flattened)
+* ``bmm(a, b)``                ``(B, M, K) @ (B, K, N)``
+
+``impl``:
+
+* ``"invariant"`` (default): every output element is reduced over K in ONE order whatever M is:
+  no split-K, ``BLOCK_K`` a function of the dtype only (:func:`block_k`), the K loop from 0
+  upward, ``acc = tl.dot(a, b, acc)`` with fp32 accumulation (fp32 inputs: ``input_precision=
+  "ieee"``, so TF32 never enters).  The M/N tiling (:data:`CONFIGS`, picked from M by
+  :func:`select_config`) only decides *which program* computes an element, not *how*, so any
+  config may be forced with ``config=`` and must give the same bits (tests and
+  :func:`gpu_sweep` check that);
+* ``"variant"``: the same kernel launched like production: split-K picked from the shape
+  (:func:`variant_split_k`: more splits for small M and long K, none from M = 256 on), fp32
+  partial sums added in split order by a second kernel, then rounded.  Another M, another
+  split, another summation order: it fails the invariance check (the negative control);
+* ``"cublas"``: plain torch (``torch.mm`` / ``addmm`` / ``F.linear`` / ``bmm``): cuBLAS on a GPU,
+  the CPU BLAS here; the real-world peer;
+* ``"reference"``: float64 torch, rounded once to the output dtype.
+
+Numerics of the kit's kernels: inputs fp32, fp16 or bf16 (``a``, ``b``, bias of one dtype);
+accumulation fp32; the bias is widened to fp32 and added after the *whole* K reduction; the
+sum is rounded once to the input dtype (round to nearest even, by integer arithmetic for bf16:
+the Triton interpreter's own fp32->bf16 cast truncates).  ``K = 0`` gives ``0 + bias`` (zeros
+without a bias); ``M = 0`` or ``N = 0`` gives an empty output; nothing is launched for them.
+
+Strides: inputs of any strides (transposed weights, expanded views, slices) are read in place
+(the strides go to the kernel; nothing is copied); ``out`` may be strided too but must not
+share memory with an input.
+
+Under the Triton interpreter (no GPU) 16-bit tiles are widened to fp32 before ``tl.dot``
+(exact: the product of two 16-bit floats fits in fp32), because the interpreter's ``tl.dot``
+reads bf16 tiles as raw integers.  Compiled on a GPU, 16-bit tiles go to the tensor cores.
+No TMA / tensor descriptors are used (plain pointer loads), so the kernels need nothing newer
+than Triton 3.0 features (``tl.dot`` with ``acc`` and ``input_precision``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import checks
+from .device import DEVICE, INTERPRET
+
+import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
+import triton.language as tl  # noqa: E402
+
+__all__ = [
+    "IMPLS",
+    "MMConfig",
+    "CONFIGS",
+    "TABLE",
+    "block_k",
+    "select_config",
+    "invariant_candidates",
+    "variant_split_k",
+    "launch_info",
+    "mm",
+    "addmm",
+    "linear",
+    "bmm",
+    "gpu_sweep",
+]
+
+IMPLS = ("invariant", "variant", "cublas", "reference")
+
+
+# --------------------------------------------------------------------------------------------
+# Configurations (pure data and functions: the book prints them)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MMConfig:
+    """An M/N tiling of the output.  ``BLOCK_K`` is *not* here: it is fixed by the dtype."""
+
+    name: str
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int
+    persistent: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+#: Every named config.  The first four make the M-bucketed table (:data:`TABLE`); the last
+#: two are candidates only, for the GPU sweep: ``wide`` (128x256 tiles) and ``m16``
+#: (BLOCK_M = 16: on Hopper it compiles to ``mma.sync`` rather than ``wgmma``; whether the two
+#: instructions give the same bits is exactly what the sweep finds out).
+CONFIGS = [
+    MMConfig("small", 64, 32, num_warps=4, num_stages=4, group_m=1),          # decode: many CTAs along N
+    MMConfig("mid", 64, 128, num_warps=4, num_stages=4, group_m=8),
+    MMConfig("large", 128, 128, num_warps=8, num_stages=3, group_m=8),
+    MMConfig("large_persistent", 128, 128, num_warps=8, num_stages=3, group_m=8, persistent=True),
+    MMConfig("wide", 128, 256, num_warps=8, num_stages=3, group_m=8),
+    MMConfig("m16", 16, 64, num_warps=4, num_stages=4, group_m=1),
+]
+_BY_NAME = {c.name: c for c in CONFIGS}
+
+#: (largest M, config name): the first row whose bound is >= M is used.
+TABLE = [(64, "small"), (256, "mid"), (2048, "large"), (None, "large_persistent")]
+
+
+def block_k(dtype: torch.dtype) -> int:
+    """The K step of every kit matmul: 64 for 16-bit inputs, 32 for fp32.  A function of the
+    dtype only, so that the K summation order never depends on M (or on the config)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 64
+    if dtype == torch.float32:
+        return 32
+    raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+
+
+def select_config(M: int, N: int = 0, K: int = 0, dtype: torch.dtype = torch.bfloat16) -> MMConfig:
+    """The config the table picks for ``M`` rows (N, K, dtype are accepted for a future table;
+    whatever is picked, the bits are the same)."""
+    if isinstance(M, bool) or not isinstance(M, int) or M < 0:
+        raise ValueError(f"M must be a non-negative int, got {M!r}")
+    block_k(dtype)
+    for bound, name in TABLE:
+        if bound is None or M <= bound:
+            return _BY_NAME[name]
+    raise AssertionError("unreachable: the table ends with an unbounded row")
+
+
+def invariant_candidates() -> list:
+    """Every config a GPU sweep should check and time (all of :data:`CONFIGS`)."""
+    return list(CONFIGS)
+
+
+def variant_split_k(M: int, N: int, K: int, dtype: torch.dtype) -> int:
+    """Production-like split-K: none from M = 256 on (enough output tiles to fill the GPU);
+    below, 8 / 4 / 2 splits for M <= 16 / <= 64 / < 256, at most one split per K block."""
+    kb = triton.cdiv(K, block_k(dtype)) if K > 0 else 0
+    if M >= 256 or kb < 2:
+        return 1
+    want = 8 if M <= 16 else 4 if M <= 64 else 2
+    return min(want, kb)
+
+
+def _resolve_config(config, M, N, K, dtype) -> MMConfig:
+    if config is None:
+        return select_config(M, N, K, dtype)
+    if isinstance(config, MMConfig):
+        return config
+    if isinstance(config, str):
+        if config not in _BY_NAME:
+            raise ValueError(f"config must be one of {sorted(_BY_NAME)} or an MMConfig, got {config!r}")
+        return _BY_NAME[config]
+    raise TypeError(f"config must be None, a config name or an MMConfig, got {type(config).__name__}")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_programs_persistent(tiles: int) -> int:
+    """Persistent grid: one program per SM (3 under the interpreter, to exercise the loop)."""
+    sms = 3 if INTERPRET else _sm_count(torch.cuda.current_device())
+    return max(1, min(sms, tiles))
+
+
+def launch_info(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, impl: str = "invariant",
+                config=None, batch: int = 1) -> dict:
+    """What a launch of ``impl`` does for this shape: config, BLOCK_K, split_k, grid."""
+    cfg = _resolve_config(config, M, N, K, dtype)
+    bk = block_k(dtype)
+    split = variant_split_k(M, N, K, dtype) if impl == "variant" else 1
+    tiles = batch * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    persistent = cfg.persistent and split == 1
+    progs = _num_programs_persistent(tiles) if persistent and tiles else tiles
+    return {"impl": impl, "M": M, "N": N, "K": K, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
+            "config": cfg.name, "block_m": cfg.block_m, "block_n": cfg.block_n, "block_k": bk,
+            "split_k": split, "k_blocks": triton.cdiv(K, bk) if K else 0, "persistent": persistent,
+            "tiles": tiles, "grid": (progs, split), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+# --------------------------------------------------------------------------------------------
+# Triton helpers shared with kernels.override (fp32 <-> 16-bit moves that are exact on the
+# interpreter and the GPU alike)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def to_f32(x):
+    """Exact widening to fp32 (bf16 through its bits: the interpreter's bf16 cast is unsafe)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def from_f32(v, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE rounded to nearest even (bf16 by integer arithmetic; NaN stays NaN)."""
+    if DTYPE == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+        r = tl.where(v != v, (u >> 16) | 0x40, r)  # quiet NaN, never rounded into infinity
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif DTYPE == tl.float16:
+        return v.to(tl.float16)
+    else:
+        return v
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, M, N, K, n_batch,
+          s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_biasm, s_biasn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+          SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
+    """One output tile (and, with SPLIT_K > 1, one K range of it)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_batch = num_pid_m * num_pid_n
+    bid = tile // per_batch
+    t = tile % per_batch
+    in_group = GROUP_M * num_pid_n
+    first_m = (t // in_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (t % in_group) % group_size
+    pid_n = (t % in_group) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    a_base = a_ptr + bid.to(tl.int64) * s_ab + rows[:, None] * s_am
+    b_base = b_ptr + bid.to(tl.int64) * s_bb + cols[None, :] * s_bn
+
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    if SPLIT_K == 1:
+        kb_lo = 0
+        kb_hi = k_blocks
+    else:
+        per_split = tl.cdiv(k_blocks, SPLIT_K)
+        kb_lo = split * per_split
+        kb_hi = tl.minimum(kb_lo + per_split, k_blocks)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi):  # always upward from the range's first block
+        k = kb * BLOCK_K + offs_k
+        mask_k = k < K
+        kk = k.to(tl.int64)
+        a = tl.load(a_base + kk[None, :] * s_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_base + kk[:, None] * s_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:  # interpreter: exact fp32 tiles (its tl.dot misreads bf16)
+            a = to_f32(a)
+            b = to_f32(b)
+        if a.dtype == tl.float32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows[:, None] * s_biasm + cols[None, :] * s_biasn, mask=mask, other=0.0)
+            acc = acc + to_f32(bias)
+        c_offs = bid.to(tl.int64) * s_cb + rows[:, None] * s_cm + cols[None, :] * s_cn
+        tl.store(c_ptr + c_offs, from_f32(acc, c_ptr.dtype.element_ty), mask=mask)
+    else:  # fp32 partial sums, contiguous [SPLIT_K, B, M, N]
+        ws_offs = ((split * n_batch + bid).to(tl.int64) * M + rows[:, None]) * N + cols[None, :]
+        tl.store(ws_ptr + ws_offs, acc, mask=mask)
+
+
+@triton.jit
+def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, M, N, K, n_batch, total_tiles,
+               s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_biasm, s_biasn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+               SPLIT_K: tl.constexpr, PERSISTENT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """Grid ``(tiles or persistent programs, SPLIT_K)``.  Persistent: program p does tiles
+    p, p + P, p + 2P, ... (P = number of programs); each tile's K order is the same."""
+    split = tl.program_id(1)
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), total_tiles, tl.num_programs(0)):
+            _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, M, N, K, n_batch,
+                  s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_biasm, s_biasn,
+                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, HAS_BIAS, UPCAST)
+    else:
+        _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tl.program_id(0), split, M, N, K, n_batch,
+              s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_biasm, s_biasn,
+              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, HAS_BIAS, UPCAST)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, c_ptr, bias_ptr, M, N, n_batch,
+                          s_cb, s_cm, s_cn, s_biasm, s_biasn,
+                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HAS_BIAS: tl.constexpr):
+    """out = round(((p_0 + p_1) + ...) + bias): the variant's second pass, splits in order."""
+    bid = tl.program_id(2)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        offs = ((s * n_batch + bid).to(tl.int64) * M + rows[:, None]) * N + cols[None, :]
+        acc += tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows[:, None] * s_biasm + cols[None, :] * s_biasn, mask=mask, other=0.0)
+        acc = acc + to_f32(bias)
+    c_offs = bid.to(tl.int64) * s_cb + rows[:, None] * s_cm + cols[None, :] * s_cn
+    tl.store(c_ptr + c_offs, from_f32(acc, c_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(a3, b3, out3, bias2, impl, config):
+    """a3 (B, M, K), b3 (B, K, N), out3 (B, M, N), bias2 (M, N) view or None; any strides."""
+    B, M, K = a3.shape
+    N = b3.shape[2]
+    if B == 0 or M == 0 or N == 0:
+        return
+    if K == 0:  # acc = 0, then + bias, then rounded: the same as the kernel would give
+        out3.zero_()
+        if bias2 is not None:
+            out3.add_(bias2)
+        return
+    dtype = a3.dtype
+    cfg = _resolve_config(config, M, N, K, dtype)
+    bk = block_k(dtype)
+    split = variant_split_k(M, N, K, dtype) if impl == "variant" else 1
+    tiles = B * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    persistent = cfg.persistent and split == 1
+    progs = _num_programs_persistent(tiles) if persistent else tiles
+    has_bias = bias2 is not None
+    bias = bias2 if has_bias else out3
+    s_biasm, s_biasn = (bias2.stride(0), bias2.stride(1)) if has_bias else (0, 0)
+    ws = torch.empty((split, B, M, N), dtype=torch.float32, device=a3.device) if split > 1 else out3
+    _mm_kernel[(progs, split)](
+        a3, b3, out3, bias, ws, M, N, K, B, tiles,
+        a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
+        out3.stride(0), out3.stride(1), out3.stride(2), s_biasm, s_biasn,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        SPLIT_K=split, PERSISTENT=persistent, HAS_BIAS=has_bias, UPCAST=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        rb_m, rb_n = 32, 128
+        _splitk_reduce_kernel[(triton.cdiv(M, rb_m), triton.cdiv(N, rb_n), B)](
+            ws, out3, bias, M, N, B, out3.stride(0), out3.stride(1), out3.stride(2), s_biasm, s_biasn,
+            SPLIT_K=split, BLOCK_M=rb_m, BLOCK_N=rb_n, HAS_BIAS=has_bias, num_warps=4,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+def _check_impl(impl):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def _check_pair(a, b, a_name, b_name, impl, dim):
+    checks.tensor(a_name, a, dim=dim, contiguous=False, nonempty=False)
+    checks.tensor(b_name, b, dim=dim, contiguous=False, nonempty=False)
+    checks.same_dtype(b_name, b, a_name, a)
+    checks.same_device(b_name, b, a_name, a)
+    if impl in ("invariant", "variant") and a.device.type != DEVICE.type:
+        where = "under the Triton interpreter" if INTERPRET else "for the compiled Triton kernels"
+        raise ValueError(f"{a_name} must be on {DEVICE.type} {where}, got {a.device}")
+
+
+def _shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.numel() == 0 or y.numel() == 0 or x.device != y.device:
+        return False
+    return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+
+
+def _check_out(out, shape, like, inputs):
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    checks.tensor("out", out, dtypes=(like.dtype,), contiguous=False, nonempty=False)
+    checks.same_device("out", out, "a", like)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    for name, t in inputs:
+        if t is not None and _shares_memory(out, t):
+            raise ValueError(f"out must not share memory with {name}")
+    return out
+
+
+def _check_bias(bias, name, shape, a):
+    checks.tensor(name, bias, contiguous=False, nonempty=False)
+    checks.same_dtype(name, bias, "a", a)
+    checks.same_device(name, bias, "a", a)
+    try:
+        return bias.expand(shape)
+    except RuntimeError:
+        raise ValueError(f"{name} of shape {tuple(bias.shape)} does not broadcast to the output shape "
+                         f"{tuple(shape)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Public ops
+# --------------------------------------------------------------------------------------------
+
+def _run2d(a, b, bias2, out, impl, config):
+    """Shared body of mm / addmm / linear on 2-D operands (validated)."""
+    M, N = a.shape[0], b.shape[1]
+    out = _check_out(out, (M, N), a, (("a", a), ("b", b), ("bias", bias2)))
+    if impl == "reference":
+        r = a.double() @ b.double()
+        if bias2 is not None:
+            r = r + bias2.double()
+        return out.copy_(r)
+    if impl == "cublas":
+        return torch.mm(a, b, out=out) if bias2 is None else torch.addmm(bias2, a, b, out=out)
+    _launch(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), bias2, impl, config)
+    return out
+
+
+def mm(a, b, *, impl="invariant", out=None, config=None):
+    """``a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N) of one float dtype; returns ``out``."""
+    _check_impl(impl)
+    _check_pair(a, b, "a", "b", impl, 2)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"b has {b.shape[0]} rows but a has {a.shape[1]} columns (inner dims must match)")
+    return _run2d(a, b, None, out, impl, config)
+
+
+def addmm(bias, a, b, *, impl="invariant", out=None, config=None):
+    """``bias + a @ b``; ``bias`` (of a's dtype) broadcasts to (M, N) and is added in fp32
+    after the whole K reduction, before the one rounding."""
+    _check_impl(impl)
+    _check_pair(a, b, "a", "b", impl, 2)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"b has {b.shape[0]} rows but a has {a.shape[1]} columns (inner dims must match)")
+    bias2 = _check_bias(bias, "bias", (a.shape[0], b.shape[1]), a)
+    return _run2d(a, b, bias2, out, impl, config)
+
+
+def linear(x, weight, bias=None, *, impl="invariant", out=None, config=None):
+    """``x @ weight.T + bias`` like ``torch.nn.functional.linear``: ``x`` (..., K), ``weight``
+    (N, K), ``bias`` (N,) or None; returns (..., N).  The leading dims of ``x`` are flattened
+    into M (a copy only when they cannot be viewed flat)."""
+    _check_impl(impl)
+    checks.tensor("x", x, contiguous=False, nonempty=False)
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least 1 dim, got shape {tuple(x.shape)}")
+    _check_pair(x, weight, "x", "weight", impl, None)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"weight has {K} columns but x has {x.shape[-1]} features (last dim)")
+    lead = tuple(x.shape[:-1])
+    x2 = x.reshape(math.prod(lead), K)
+    bias2 = None
+    if bias is not None:
+        checks.tensor("bias", bias, dim=1, contiguous=False, nonempty=False)
+        if bias.shape[0] != N:
+            raise ValueError(f"bias has {bias.shape[0]} elements but weight has {N} rows")
+        bias2 = _check_bias(bias, "bias", (x2.shape[0], N), x)
+    out2 = None
+    if out is not None:
+        checks.tensor("out", out, dtypes=(x.dtype,), contiguous=False, nonempty=False)
+        if tuple(out.shape) != lead + (N,):
+            raise ValueError(f"out must have shape {lead + (N,)}, got {tuple(out.shape)}")
+        try:
+            out2 = out.view(math.prod(lead), N)
+        except RuntimeError:
+            raise ValueError("out must be viewable as (M, N) with M the product of x's leading dims "
+                             f"(got strides {out.stride()})") from None
+    res = _run2d(x2, weight.t(), bias2, out2, impl, config)
+    return out if out is not None else res.view(lead + (N,))
+
+
+def bmm(a, b, *, impl="invariant", out=None, config=None):
+    """Batched ``a @ b``: ``a`` (B, M, K), ``b`` (B, K, N) -> (B, M, N).  The config is chosen
+    from the per-batch M; every batch entry is reduced in the one K order."""
+    _check_impl(impl)
+    _check_pair(a, b, "a", "b", impl, 3)
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"b has batch size {b.shape[0]} but a has {a.shape[0]}")
+    if a.shape[2] != b.shape[1]:
+        raise ValueError(f"b has {b.shape[1]} rows per batch but a has {a.shape[2]} columns (inner dims)")
+    B, M, N = a.shape[0], a.shape[1], b.shape[2]
+    out = _check_out(out, (B, M, N), a, (("a", a), ("b", b)))
+    if impl == "reference":
+        return out.copy_(torch.bmm(a.double(), b.double()))
+    if impl == "cublas":
+        return torch.bmm(a, b, out=out)
+    _launch(a, b, out, None, impl, config)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# GPU sweep (bits of every config, timings beside cuBLAS)
+# --------------------------------------------------------------------------------------------
+
+def gpu_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: bool = True,
+              rotate: bool = True) -> tuple:
+    """On a CUDA GPU: for each ``(N, K)`` in ``shapes`` and each ``M`` in ``Ms``
+
+    (a) checks that every config of :func:`invariant_candidates` gives the bits of the default
+        config (the table's pick for that M), and that the default config's rows for M equal
+        its rows for the largest M (so all Ms and all configs agree row by row); records
+        whether the split-K variant and cuBLAS rows differ (negative control / peer);
+    (b) times every config, the variant and ``torch.mm`` (cuBLAS) with
+        :func:`kernels.bench.median_us` (``graph``: CUDA-graph replays, the same for all;
+        ``rotate``: enough copies of the operands to exceed L2, so weights are read from HBM).
+
+    Returns ``(rows, checks)`` in the shape of :mod:`kernels.results`."""
+    from .bench import median_us, rotating_sets
+    from .harness import bitwise_equal
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("gpu_sweep needs a CUDA GPU")
+    Ms = sorted(set(int(m) for m in Ms))
+    dname = str(dtype).replace("torch.", "")
+    cands = invariant_candidates()
+    rows, results = [], []
+    for N, K in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(N * 100003 + K)
+        a_all = torch.randn((Ms[-1], K), generator=gen, device="cuda").to(dtype)
+        b = (torch.randn((K, N), generator=gen, device="cuda") * K ** -0.5).to(dtype)
+        full = mm(a_all, b)
+        full_cublas = torch.mm(a_all, b)
+        bad_configs, rows_bad, variant_differs, cublas_differs = [], [], [], []
+        for M in Ms:
+            a = a_all[:M]
+            default = mm(a, b)
+            if not bitwise_equal(default, full[:M]):
+                rows_bad.append(M)
+            for c in cands:
+                if not bitwise_equal(mm(a, b, config=c), default):
+                    bad_configs.append([M, c.name])
+            if not bitwise_equal(mm(a, b, impl="variant"), full[:M]):
+                variant_differs.append(M)
+            if not bitwise_equal(torch.mm(a, b), full_cublas[:M]):
+                cublas_differs.append(M)
+
+            o = torch.empty((M, N), dtype=dtype, device="cuda")
+            flop = 2.0 * M * N * K
+            nbytes = (M * K + K * N + M * N) * a.element_size()
+            sets = rotating_sets(lambda: (a.clone(), b.clone(), torch.empty_like(o)), nbytes) if rotate \
+                else [(a, b, o)]
+
+            def timed(impl, fn):
+                try:
+                    t, used = median_us(fn, reps=reps, rotate=sets, graph=graph), graph
+                except Exception:  # a capture that fails: time plain launches instead
+                    t, used = median_us(fn, reps=reps, rotate=sets), False
+                us = t["median_us"]
+                rows.append({"op": "mm", "impl": impl, "dtype": dname, "M": M, "N": N, "K": K,
+                             "median_us": us, "p25_us": t["p25_us"], "p75_us": t["p75_us"],
+                             "tflops": flop / (us * 1e-6) / 1e12, "gbs": nbytes / (us * 1e-6) / 1e9,
+                             "cuda_graph": used, "rotating_sets": len(sets)})
+
+            for c in cands:
+                timed(f"kit-invariant:{c.name}", lambda x, y, z, c=c: mm(x, y, config=c, out=z))
+            timed("kit-variant-splitk", lambda x, y, z: mm(x, y, impl="variant", out=z))
+            timed("cublas", lambda x, y, z: torch.mm(x, y, out=z))
+            del sets
+        shape = {"dtype": dname, "N": N, "K": K, "Ms": Ms}
+        results.append({"name": f"mm: every invariant config gives the default config's bits ({dname}, N={N}, K={K})",
+                        "passed": not bad_configs, "differing_M_config": bad_configs[:50], **shape})
+        results.append({"name": f"mm: invariant rows equal across M ({dname}, N={N}, K={K})",
+                        "passed": not rows_bad, "differing_M": rows_bad, **shape})
+        results.append({"name": f"mm: split-K variant differs at some M (negative control; {dname}, N={N}, K={K})",
+                        "passed": bool(variant_differs), "differing_M": variant_differs, **shape})
+        results.append({"name": f"mm: cuBLAS rows depend on M (observed, not required; {dname}, N={N}, K={K})",
+                        "passed": True, "informational": True, "differing_M": cublas_differs, **shape})
+    return rows, results

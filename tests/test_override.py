@@ -1,0 +1,209 @@
+"""Override mode: an unmodified torch model inside ``batch_invariant()`` is bitwise
+batch-invariant, stays close to the normal model, and the override is gone on exit (also
+after nesting and exceptions).  Plus the two row kernels (log_softmax, mean) on their own.
+"""
+import warnings
+
+import pytest
+import torch
+
+import kernels
+from kernels import matmul as MM
+from kernels import override as O
+from kernels.guard import Guarded
+from kernels.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
+
+DEV = kernels.DEVICE
+BATCHES = [1, 3, 33, 65]
+
+
+class TinyModel(torch.nn.Module):
+    """Two nn.Linear layers (addmm), a bmm, log_softmax and mean: nothing kit-specific."""
+
+    def __init__(self, hidden=64, inner=96, vocab=80):
+        super().__init__()
+        self.up = torch.nn.Linear(hidden, inner)
+        self.head = torch.nn.Linear(inner, vocab)
+
+    def forward(self, x):  # x: (batch, tokens, hidden)
+        h = torch.relu(self.up(x))
+        scores = torch.bmm(h, h.transpose(1, 2)) * h.shape[-1] ** -0.5
+        return (torch.log_softmax(self.head(h), dim=-1),
+                h.mean(dim=-1),
+                torch.log_softmax(scores, dim=-1))
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return TinyModel().to(device=DEV, dtype=dtype).eval()
+
+
+@pytest.fixture(autouse=True)
+def _never_left_enabled():
+    yield
+    assert not O.is_enabled(), "a test left the override enabled"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_unmodified_model_is_batch_invariant_inside(dtype):
+    model = _model(dtype)
+    make = row_maker((3, 64), dtype=dtype)
+    before = dict(O.call_counts)
+    with torch.no_grad(), O.batch_invariant():
+        report = check_invariance(model, make, BATCHES)
+    assert report.passed, report.summary()
+    for op in ("addmm", "bmm", "_log_softmax", "mean.dim"):  # the kit's kernels really ran
+        assert O.call_counts[op] > before.get(op, 0), op
+
+
+def test_outputs_close_to_the_normal_model():
+    model = _model(torch.float32)
+    x = row_maker((3, 64))(33)
+    with torch.no_grad():
+        normal = model(x)
+        with O.batch_invariant():
+            inv = model(x)
+    for n, i in zip(normal, inv):
+        assert i.dtype == n.dtype and i.shape == n.shape
+        torch.testing.assert_close(i, n, rtol=1e-5, atol=1e-5)
+
+
+def test_override_removed_on_exit_nesting_and_exceptions():
+    a = row_maker(96)(40)
+    b = seeded_normal((96, 72), 7, device=DEV)
+    native = torch.mm(a, b)
+    n0 = O.call_counts["mm"]
+    with O.batch_invariant():
+        assert O.is_enabled()
+        assert bitwise_equal(torch.mm(a, b), MM.mm(a, b))  # routed to the kit's kernel
+        with O.batch_invariant():  # nesting: the inner exit keeps the outer override
+            pass
+        assert O.is_enabled()
+        assert bitwise_equal(torch.mm(a, b), MM.mm(a, b))
+    assert O.call_counts["mm"] == n0 + 2
+    assert not O.is_enabled()
+    assert bitwise_equal(torch.mm(a, b), native)  # the original kernel again
+    assert O.call_counts["mm"] == n0 + 2
+
+    with pytest.raises(KeyError):
+        with O.batch_invariant():
+            torch.mm(a, b)
+            raise KeyError("boom")
+    assert not O.is_enabled()
+    assert O.call_counts["mm"] == n0 + 3
+    assert bitwise_equal(torch.mm(a, b), native)
+
+    O.enable()
+    O.enable()
+    O.disable()
+    assert O.is_enabled()
+    O.disable()
+    assert not O.is_enabled()
+    with pytest.raises(RuntimeError, match="without a matching enable"):
+        O.disable()
+
+
+def test_unsupported_arguments_fall_back_or_raise_in_strict_mode():
+    a = row_maker(16)(5)
+    b = seeded_normal((16, 8), 3, device=DEV)
+    c = seeded_normal((8,), 4, device=DEV)
+    native = {"mm64": torch.mm(a.double(), b.double()), "beta": torch.addmm(c, a, b, beta=0.5)}
+    f0 = dict(O.fallback_counts)
+    with O.batch_invariant():
+        assert bitwise_equal(torch.mm(a.double(), b.double()), native["mm64"])
+        assert bitwise_equal(torch.addmm(c, a, b, beta=0.5), native["beta"])
+        with pytest.raises(RuntimeError):  # aten's own error, from the original kernel
+            a.mean(dim=[1, 1])
+        with O.batch_invariant(strict=True):
+            with pytest.raises(NotImplementedError, match="aten::mm"):
+                torch.mm(a.double(), b.double())
+        torch.mm(a.double(), b.double())  # the outer, non-strict level again
+    assert O.fallback_counts["mm"] == f0.get("mm", 0) + 2
+    assert O.fallback_counts["addmm"] == f0.get("addmm", 0) + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the row kernels on their own
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_log_softmax_and_mean_invariant_and_accurate(dtype):
+    make = row_maker(300, dtype=dtype, scale=3.0)  # 300 columns: a partial block
+    for f in (lambda x: O.log_softmax(x, -1), lambda x: O.mean(x, -1), lambda x: O.mean(x, -1, keepdim=True)):
+        report = check_invariance(f, make, [1, 3, 33, 65, 129])
+        assert report.passed, report.summary()
+    x = make(17)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(O.log_softmax(x, -1), O.log_softmax(x, -1, impl="reference"), **tol)
+    torch.testing.assert_close(O.mean(x, -1), O.mean(x, -1, impl="reference"), **tol)
+    if dtype != torch.float32:
+        y = O.log_softmax(x, -1, half_to_float=True)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, torch.log_softmax(x.float(), -1), rtol=1e-5, atol=1e-5)
+
+
+def test_long_rows_dims_keepdim_dtype_and_empty():
+    x = row_maker((5, 9000))(3)  # rows longer than one block: the chunked paths
+    torch.testing.assert_close(O.log_softmax(x, -1), torch.log_softmax(x, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(O.mean(x, -1), x.mean(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(O.mean(x, [0, 2], keepdim=True), x.mean([0, 2], keepdim=True), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(O.mean(x, None), x.mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(O.log_softmax(x, 1), torch.log_softmax(x, 1), rtol=1e-5, atol=1e-5)
+    assert O.log_softmax(x, 1).is_contiguous()
+    xb = x.to(torch.bfloat16)
+    assert O.mean(xb, -1, dtype=torch.float32).dtype == torch.float32
+    torch.testing.assert_close(O.mean(xb, -1, dtype=torch.float32), xb.float().mean(-1), rtol=1e-5, atol=1e-6)
+    assert O.log_softmax(x[:0], -1).shape == (0, 5, 9000)
+    assert O.mean(x[:0], -1).shape == (0, 5)
+    assert torch.isnan(O.mean(x[:, :, :0], -1)).all() and O.mean(x[:, :, :0], -1).shape == (3, 5)
+    with O.batch_invariant():  # the same calls through aten
+        torch.testing.assert_close(x.mean([0, 2], keepdim=True), O.mean(x, [0, 2], keepdim=True), rtol=0, atol=0)
+        torch.testing.assert_close(torch.log_softmax(x, 1), O.log_softmax(x, 1), rtol=0, atol=0)
+
+
+def test_row_kernels_write_every_element_and_nothing_else():
+    for L in (7, 300, 5000):
+        x = row_maker(L)(33)
+        g = Guarded((33, L), torch.float32, DEV)
+        O.launch_rows("log_softmax", x, g.tensor)
+        g.check()
+        assert g.unwritten() == 0
+        g = Guarded((33,), torch.bfloat16, DEV)
+        O.launch_rows("mean", x, g.tensor)
+        g.check()
+        assert g.unwritten() == 0
+
+
+def test_row_kernels_bad_inputs():
+    x = torch.ones(3, 4, device=DEV)
+    cases = [
+        (TypeError, "x must be a torch.Tensor", lambda: O.log_softmax([1.0])),
+        (TypeError, "x must have dtype", lambda: O.log_softmax(x.double())),
+        (ValueError, "dim 2 is out of range", lambda: O.log_softmax(x, 2)),
+        (TypeError, "dim must be an int", lambda: O.log_softmax(x, 1.0)),
+        (ValueError, "x must have at least 1 dim", lambda: O.mean(x[0, 0])),
+        (TypeError, "half_to_float", lambda: O.log_softmax(x, -1, half_to_float=True)),
+        (ValueError, "more than once", lambda: O.mean(x, [1, -1])),
+        (TypeError, "dtype must be", lambda: O.mean(x, -1, dtype=torch.int32)),
+        (ValueError, "x must be on", lambda: O.mean(x.to("meta"), -1)),
+        (ValueError, "impl", lambda: O.mean(x, -1, impl="variant")),
+    ]
+    for exc, msg, call in cases:
+        with pytest.raises(exc, match=msg):
+            call()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (skipped on CPU)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_model_invariant_under_override():
+    torch.manual_seed(0)
+    model = TinyModel(hidden=1024, inner=4096, vocab=8192).to(device="cuda", dtype=torch.bfloat16).eval()
+    make = row_maker((4, 1024), dtype=torch.bfloat16, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad(), O.batch_invariant():
+            report = check_invariance(model, make, [1, 3, 33, 65, 129, 300])
+    assert report.passed, report.summary()
