@@ -10,14 +10,15 @@ import torch
 
 
 def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = None, graph: bool = False,
-              graph_calls: int = 20) -> dict:
+              graph_calls: int = 20, budget_s: float = 1.5) -> dict:
     """Median (and quartiles) of timed calls of ``fn`` in microseconds, CUDA events.
 
     ``rotate``: a list of argument tuples; call ``fn(*rotate[i % len(rotate)])`` so that
     inputs larger than L2 in total are not served from cache.  ``graph=True`` captures
     ``graph_calls`` consecutive calls (cycling through ``rotate``) in one CUDA graph, times
     ``reps`` replays and divides by ``graph_calls``: launch overhead leaves the numbers, the
-    same way for every implementation compared."""
+    same way for every implementation compared.  Long kernels get fewer calls per graph and
+    fewer repetitions so that one measurement takes about ``budget_s`` (at least 10 reps)."""
     if not torch.cuda.is_available():
         raise RuntimeError("median_us needs a CUDA GPU")
     args = rotate if rotate else [()]
@@ -25,9 +26,18 @@ def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = No
     for i in range(warmup):
         calls[i % len(calls)]()
     torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for c in calls:
+        c()
+    e1.record()
+    torch.cuda.synchronize()
+    est_us = max(e0.elapsed_time(e1) * 1000.0 / len(calls), 1.0)
     per = 1
     if graph:
-        per = max(graph_calls, len(calls))
+        per = len(calls) if est_us > 100.0 else max(graph_calls, len(calls))
+    reps = int(max(10, min(reps, budget_s * 1e6 / (est_us * per))))
+    if graph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):

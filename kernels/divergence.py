@@ -43,3 +43,75 @@ def mm_first_divergence(dtype: torch.dtype, n: int, k: int, batch_sizes, *, posi
         "elements_differing": first.elements_differing if first else 0,
         "max_ulp": first.max_ulp if first else 0,
     }
+
+
+OPS = ("mm", "bmm", "linear")
+
+
+def _op_fn(op: str, w: torch.Tensor, bias: torch.Tensor | None, heads: int):
+    if op == "mm":
+        return lambda x: torch.mm(x, w)
+    if op == "linear":  # w is (N, K) for linear
+        return lambda x: torch.nn.functional.linear(x, w, bias)
+    if op == "bmm":  # x: (M, heads, K) -> per-head (M, K) @ (K, N); the batch is M
+        return lambda x: torch.bmm(x.transpose(0, 1).contiguous(), w).transpose(0, 1)
+    raise ValueError(f"op must be one of {OPS}, got {op!r}")
+
+
+def op_first_divergence(op: str, dtype: torch.dtype, n: int, k: int, batch_sizes, *, heads: int = 8,
+                        positions=None, seeds=(0,), device=None) -> dict:
+    """Where ``torch.mm`` / ``torch.bmm`` / ``F.linear`` (with bias) first depends on the batch M."""
+    device = device if device is not None else DEVICE
+    if positions is None:
+        positions = lambda bs: range(bs) if bs <= 64 else (0, bs // 2, bs - 1)  # noqa: E731
+    if op == "bmm":
+        w = seeded_normal((heads, k, n), 12346).to(dtype=dtype, device=device) * (k ** -0.5)
+        make = row_maker((heads, k), dtype=dtype, device=device)
+        bias = None
+    elif op == "linear":
+        w = seeded_normal((n, k), 12347).to(dtype=dtype, device=device) * (k ** -0.5)
+        bias = seeded_normal(n, 12348).to(dtype=dtype, device=device)
+        make = row_maker(k, dtype=dtype, device=device)
+    else:
+        return mm_first_divergence(dtype, n, k, batch_sizes, positions=positions, seeds=seeds, device=device)
+    m, rep = first_divergence(_op_fn(op, w, bias, heads), make, batch_sizes, positions=positions, seeds=seeds)
+    first = rep.first
+    return {
+        "op": f"torch.{op}" if op != "linear" else "F.linear(+bias)",
+        "impl": "cuBLAS" if torch.device(device).type == "cuda" else "CPU BLAS",
+        "dtype": str(dtype).replace("torch.", ""), "N": n, "K": k,
+        "searched_up_to": max(batch_sizes), "row_checks": rep.checks, "first_divergence_M": m,
+        "row": first.position if first else None,
+        "elements_differing": first.elements_differing if first else 0,
+        "max_ulp": first.max_ulp if first else 0,
+    }
+
+
+def invariance_map(shapes=((4096, 4096), (4096, 12288)), dtypes=("bfloat16", "float16", "float32"),
+                   limit: int = 4096) -> list:
+    sizes = default_batch_sizes(limit)
+    rows = []
+    for op in OPS:
+        for dt in dtypes:
+            for n, k in shapes:
+                rows.append(op_first_divergence(op, DTYPES[dt], n, k, sizes))
+    return rows
+
+
+if __name__ == "__main__":  # one process per cuBLAS environment (it is read at start-up)
+    import argparse
+    import json
+    import os
+
+    ap = argparse.ArgumentParser(description="first-divergence map of torch.mm/bmm/linear, as JSON on stdout")
+    ap.add_argument("--cublaslt", action="store_true", help="torch.backends.cuda.preferred_blas_library('cublaslt')")
+    ap.add_argument("--limit", type=int, default=4096)
+    args = ap.parse_args()
+    if args.cublaslt:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    env = {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
+    out = invariance_map(limit=args.limit)
+    for r in out:
+        r["cublas_env"] = env
+        r["preferred_blas"] = "cublaslt" if args.cublaslt else "default"
+    print("JSON:" + json.dumps(out))

@@ -72,6 +72,46 @@ def part_decoder_under_load(quick: bool) -> tuple:
     return rows, checks
 
 
+def part_invariance_map(quick: bool) -> tuple:
+    """torch.mm/bmm/linear first divergence under three cuBLAS set-ups, one process each
+    (the workspace variables are read when cuBLAS starts)."""
+    import json
+    import os
+    import subprocess
+
+    setups = [("default", {}, []),
+              ("no-split-K env", {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}, []),
+              ("no-split-K env + cuBLASLt", {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"},
+               ["--cublaslt"])]
+    rows = []
+    for label, env, flags in setups:
+        e = dict(os.environ)
+        e.update(env)
+        cmd = [sys.executable, "-m", "kernels.divergence", "--limit", "1024" if quick else "4096", *flags]
+        p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("JSON:")]
+        if p.returncode != 0 or not line:
+            raise RuntimeError(f"{label}: {p.stderr[-2000:]}")
+        for r in json.loads(line[0][5:]):
+            r["setup"] = label
+            rows.append(r)
+            print(f"  {label:<26} {r['op']:<16} {r['dtype']:<9} N={r['N']:<6} K={r['K']:<6} "
+                  f"first M = {r['first_divergence_M']}", flush=True)
+    bf16_env = [r for r in rows if r["setup"] != "default" and r["dtype"] == "bfloat16"]
+    checks = [{"name": "the no-split-K cuBLAS environment makes bf16 mm/bmm/linear batch-invariant "
+                       "(observed, not required)", "passed": all(r["first_divergence_M"] is None for r in bf16_env),
+               "informational": True}]
+    return rows, checks
+
+
+def part_matmul_sweep(quick: bool) -> tuple:
+    from .matmul import gpu_sweep
+
+    shapes = [(4096, 4096)] if quick else [(4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096)]
+    ms = [1, 16, 256, 4096] if quick else [1, 4, 16, 64, 256, 1024, 4096, 8192]
+    return gpu_sweep(shapes, ms, torch.bfloat16, reps=50)
+
+
 def _rms(name):
     def part(quick):
         from . import rms_norm_bench
@@ -87,6 +127,8 @@ PARTS = {
     "rms_norm_flips": _rms("flips"),
     "rms_norm_bench": _rms("bench"),
     "rms_norm_tune_warps": _rms("tune_warps"),
+    "invariance_map": part_invariance_map,
+    "matmul_sweep": part_matmul_sweep,
 }
 
 

@@ -60,7 +60,10 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when ``a`` and ``b`` have the same dtype, shape and bits."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return bool(torch.equal(bits(a.detach().cpu()), bits(b.detach().cpu())))
+    a, b = a.detach(), b.detach()
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    return bool(torch.equal(bits(a), bits(b)))
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
