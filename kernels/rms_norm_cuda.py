@@ -7,6 +7,11 @@ Five ops, in vLLM's in-place calling style (outputs first), each in two implemen
   tokens, 256 above), so a row's reduction order, hence its bits, depends on the batch.
 * ``impl="invariant"``: the block size is pinned (1024; 512 for per-block quant) whatever
   the batch: every row is reduced in the same order in every batch.
+* ``impl="invariant256"``: the block size is pinned at 256 for every op and every batch
+  (still batch-invariant: it never depends on the number of tokens).  Hypothesis, to be
+  measured on a GPU: as invariant as the 1024 pin and as fast as the variant at large
+  batches (where the variant also uses 256).  Its bits differ from ``"invariant"``'s (another
+  reduction order), but never from batch to batch.
 
 Tensors on CUDA run the compiled kernels (:mod:`kernels.cuda_ext`); tensors on the CPU get
 the emulator's prediction of exactly those bits (:func:`emulate`, built on
@@ -32,6 +37,11 @@ Vectorization: pass 1 loads 16 bytes at a time (``V = 16 / itemsize``: 8 for bf1
 for fp32), after a scalar prefix up to the first 16-byte-aligned address of the row and
 before a scalar tail; the misalignment is taken from each row's actual address.  The fused
 ops vectorize only when ``x`` and ``residual`` rows have the same misalignment (else V = 1).
+Pass 2 (elementwise) uses the same split with 16-byte loads/stores (fp8 outputs: 8 or 4
+bytes packed per store) where the other operands' alignment allows, and each thread keeps
+its first ``VPT`` (1, 2, 4 or 8, chosen from hidden, dtype and block size) vectors of pass 1
+in registers, so ``x`` (``z`` for the fused ops) is read from memory once for rows of up to
+``VPT * block`` vectors.  None of this changes a bit: pass 1's FMA chain is the same.
 
 Launch policy (:func:`launch_block_size`): the variant's block is also capped at the
 number of 16-byte vectors of a row rounded up to a warp (``max(32, roundup32(ceil(H/V)))``):
@@ -51,7 +61,8 @@ from .emulator import WARP_SIZE, block_reduce
 
 __all__ = [
     "OPS", "IMPLS", "FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "GROUP_SIZES",
-    "vec_width", "launch_block_size", "policy_block_sizes", "emulate",
+    "INVARIANT_SMALL_BLOCK", "vec_width", "launch_block_size", "impl_block_size",
+    "policy_block_sizes", "emulate",
     "rms_norm", "fused_add_rms_norm", "rms_norm_static_fp8_quant",
     "fused_add_rms_norm_static_fp8_quant", "rms_norm_per_block_quant", "gpu_crosscheck",
 ]
@@ -63,7 +74,8 @@ OPS = (
     "fused_add_rms_norm_static_fp8_quant",
     "rms_norm_per_block_quant",
 )
-IMPLS = ("variant", "invariant")
+IMPLS = ("variant", "invariant", "invariant256")
+INVARIANT_SMALL_BLOCK = 256  # impl="invariant256": the pin for every op
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = np.float32(448.0)
 MIN_SCALE = np.float32(1.0) / np.float32(448.0 * 512.0)  # == kMinScale in csrc/rms_norm.cuh
@@ -107,6 +119,16 @@ def launch_block_size(num_tokens: int, hidden: int, dtype: torch.dtype, op: str,
     vectors = math.ceil(hidden / vec_width(dtype))
     cap = max(WARP_SIZE, -(-vectors // WARP_SIZE) * WARP_SIZE)
     return min(policy, cap)
+
+
+def impl_block_size(impl: str, num_tokens: int, hidden: int, dtype: torch.dtype, op: str) -> int:
+    """CUDA block size of ``impl`` for a launch: ``"variant"`` and ``"invariant"`` as
+    :func:`launch_block_size`; ``"invariant256"``: :data:`INVARIANT_SMALL_BLOCK` for every
+    op, number of tokens, hidden size and dtype (arguments still validated)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    block = launch_block_size(num_tokens, hidden, dtype, op, impl != "variant")
+    return INVARIANT_SMALL_BLOCK if impl == "invariant256" else block
 
 
 def policy_block_sizes(op: str) -> tuple:
@@ -291,7 +313,7 @@ def _launch(op: str, block_size: int, eps: float, *, x, weight, residual=None, o
 
 
 def _block(op, x, impl) -> int:
-    return launch_block_size(x.shape[0], x.shape[1], x.dtype, op, impl == "invariant")
+    return impl_block_size(impl, x.shape[0], x.shape[1], x.dtype, op)
 
 
 # ---------------------------------------------------------------- public ops
@@ -371,8 +393,8 @@ def gpu_crosscheck(rows: int = 1000, hiddens=(2048, 4096, 5120),
                    group_size: int = 128, eps: float = 1e-6, seed: int = 0) -> list:
     """CUDA bits vs emulator bits, for every op, hidden size, dtype, block size and row offset.
 
-    Block sizes: the variant's two policy sizes and the invariant pin (and the variant's
-    capped size when it differs).  ``offsets``: (x, residual) element offsets of the row
+    Block sizes: the variant's two policy sizes, the invariant pins (1024 or 512, and 256)
+    and the variant's capped size when it differs.  ``offsets``: (x, residual) element offsets of the row
     buffers; (1, 1) exercises the scalar prefix/tail, (0, 1) the fused ops' V = 1 fallback
     (used for the fused ops only).  Returns one dict per case with ``rows`` compared,
     ``rows_differing`` (any bit of any output) and ``elements_differing``."""
@@ -388,7 +410,8 @@ def gpu_crosscheck(rows: int = 1000, hiddens=(2048, 4096, 5120),
             for dtype in dtypes:
                 blocks = sorted({*policy_block_sizes(op),
                                  launch_block_size(1, hidden, dtype, op, False),
-                                 launch_block_size(rows, hidden, dtype, op, True)}, reverse=True)
+                                 launch_block_size(rows, hidden, dtype, op, True),
+                                 impl_block_size("invariant256", rows, hidden, dtype, op)}, reverse=True)
                 for x_off, r_off in offsets:
                     if op not in _FUSED and r_off != x_off:
                         continue

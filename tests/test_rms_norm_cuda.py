@@ -101,6 +101,22 @@ def test_launch_policy():
         f(0, 64, DTYPE, "rms_norm", True)
 
 
+def test_invariant256_policy():
+    """impl="invariant256": 256 for every op, number of tokens, hidden size and dtype."""
+    f = R.impl_block_size
+    assert R.INVARIANT_SMALL_BLOCK == 256
+    for op in R.OPS:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert {f("invariant256", n, h, dtype, op) for n in (1, 255, 256, 257, 300, 65536)
+                    for h in (8, 2048, 4096, 16384)} == {256}
+            assert f("invariant", 300, 4096, dtype, op) == R.launch_block_size(300, 4096, dtype, op, True)
+            assert f("variant", 300, 4096, dtype, op) == R.launch_block_size(300, 4096, dtype, op, False)
+    with pytest.raises(ValueError, match="invariant256"):
+        f("fast", 1, 64, DTYPE, "rms_norm")
+    with pytest.raises(ValueError, match="num_tokens"):
+        f("invariant256", 0, 64, DTYPE, "rms_norm")
+
+
 @pytest.mark.parametrize("offset", [0, 1])
 def test_cap_is_bit_neutral(offset):
     """Threads past the last vector only add +0.0: capped and uncapped blocks agree."""
@@ -205,7 +221,7 @@ def test_cpu_impl_is_emulate_with_policy_block(op):
     for impl in R.IMPLS:
         x, r = b.x(40, 5).clone(), b.r(40, 1005).clone()
         w = _weight(512, DTYPE, 5)
-        block = R.launch_block_size(40, 512, DTYPE, op, impl == "invariant")
+        block = R.impl_block_size(impl, 40, 512, DTYPE, op)
         want = R.emulate(op, x, w, eps=EPS, block_size=block, residual=r, scale=torch.tensor([0.01]))
         got = run_op(op, x, r, w, impl)
         for g_t, w_t in zip(got, want):
@@ -214,12 +230,16 @@ def test_cpu_impl_is_emulate_with_policy_block(op):
 
 # ------------------------------------------------------------------ seed method (CPU: the emulator)
 
+INVARIANT_IMPLS = ("invariant", "invariant256")
+
+
+@pytest.mark.parametrize("impl", INVARIANT_IMPLS)
 @pytest.mark.parametrize("op", R.OPS)
-def test_invariant_first_255_rows_identical(op):
+def test_invariant_first_255_rows_identical(op, impl):
     b = Batches()
     for seed in SEEDS:
-        small = b.run(op, 255, seed, "invariant")
-        large = b.run(op, 300, seed, "invariant")
+        small = b.run(op, 255, seed, impl)
+        large = b.run(op, 300, seed, impl)
         bad = first_rows_mismatches(small, large, 255, seed)
         assert not bad, f"{op}: {len(bad)} row(s) differ; first: {bad[0]}"
 
@@ -289,6 +309,8 @@ def test_bad_inputs_raise():
         R.rms_norm(out, x, w, -1.0)
     with pytest.raises(ValueError, match="impl"):
         R.rms_norm(out, x, w, impl="fast")
+    with pytest.raises(ValueError, match="'invariant256'"):  # the error lists every impl
+        R.fused_add_rms_norm(x, r, w, impl="invariant1024")
     with pytest.raises(ValueError, match="residual must have x's shape"):
         R.fused_add_rms_norm(x, r[:2], w)
     with pytest.raises(TypeError, match="residual dtype"):
@@ -331,11 +353,26 @@ def test_gpu_cuda_bits_equal_emulator_bits():
 
 @gpu
 @needs_cuda
+def test_gpu_cuda_bits_equal_emulator_bits_other_shapes():
+    """The kernel paths the main cross-check misses: rows longer than VPT * block vectors
+    (hidden 17024: bf16 at block 256 keeps 8 vectors per thread in registers and re-reads the
+    rest; block 512/1024 keep 4), a hidden smaller than a warp of vectors (128: per-block
+    quant with partly idle warps), and fp32 (V = 4)."""
+    results = R.gpu_crosscheck(rows=96, hiddens=(128, 17024),
+                               dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    assert {r["block_size"] for r in results} >= {256, 512, 1024}
+    bad = [r for r in results if r["rows_differing"]]
+    assert not bad, f"{len(bad)} of {len(results)} cases differ from the emulator; first: {bad[0]}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("impl", INVARIANT_IMPLS)
 @pytest.mark.parametrize("op", R.OPS)
-def test_gpu_invariance_255_vs_300(op):
+def test_gpu_invariance_255_vs_300(op, impl):
     b = Batches(device="cuda")
     for seed in SEEDS:
-        bad = first_rows_mismatches(b.run(op, 255, seed, "invariant"), b.run(op, 300, seed, "invariant"), 255, seed)
+        bad = first_rows_mismatches(b.run(op, 255, seed, impl), b.run(op, 300, seed, impl), 255, seed)
         assert not bad, f"{op}: {len(bad)} row(s) differ; first: {bad[0]}"
     variant_differs = any(
         first_rows_mismatches(b.run(op, 255, s, "variant"), b.run(op, 300, s, "variant"), 255, s) for s in SEEDS)
@@ -345,7 +382,7 @@ def test_gpu_invariance_255_vs_300(op):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("op", R.OPS)
-@pytest.mark.parametrize("hidden", [64, 100, 4100, 5120])
+@pytest.mark.parametrize("hidden", [64, 100, 4100, 5120, 17024])
 def test_gpu_outputs_stay_in_bounds(op, hidden):
     """Outputs in poisoned guard regions: nothing written outside, every element written."""
     if op == "rms_norm_per_block_quant" and hidden % 64:
