@@ -63,7 +63,7 @@ def op_first_divergence(op: str, dtype: torch.dtype, n: int, k: int, batch_sizes
     """Where ``torch.mm`` / ``torch.bmm`` / ``F.linear`` (with bias) first depends on the batch M."""
     device = device if device is not None else DEVICE
     if positions is None:
-        positions = lambda bs: range(bs) if bs <= 64 else (0, bs // 2, bs - 1)  # noqa: E731
+        positions = lambda bs: range(bs) if bs <= 16 else (0, bs // 2, bs - 1)  # noqa: E731
     if op == "bmm":
         w = seeded_normal((heads, k, n), 12346).to(dtype=dtype, device=device) * (k ** -0.5)
         make = row_maker((heads, k), dtype=dtype, device=device)
@@ -88,7 +88,7 @@ def op_first_divergence(op: str, dtype: torch.dtype, n: int, k: int, batch_sizes
 
 
 def invariance_map(shapes=((4096, 4096), (4096, 12288)), dtypes=("bfloat16", "float16", "float32"),
-                   limit: int = 4096) -> list:
+                   limit: int = 2048) -> list:
     sizes = default_batch_sizes(limit)
     rows = []
     for op in OPS:
@@ -105,7 +105,7 @@ if __name__ == "__main__":  # one process per cuBLAS environment (it is read at 
 
     ap = argparse.ArgumentParser(description="first-divergence map of torch.mm/bmm/linear, as JSON on stdout")
     ap.add_argument("--cublaslt", action="store_true", help="torch.backends.cuda.preferred_blas_library('cublaslt')")
-    ap.add_argument("--limit", type=int, default=4096)
+    ap.add_argument("--limit", type=int, default=2048)
     args = ap.parse_args()
     if args.cublaslt:
         torch.backends.cuda.preferred_blas_library("cublaslt")

@@ -87,7 +87,7 @@ def part_invariance_map(quick: bool) -> tuple:
     for label, env, flags in setups:
         e = dict(os.environ)
         e.update(env)
-        cmd = [sys.executable, "-m", "kernels.divergence", "--limit", "1024" if quick else "4096", *flags]
+        cmd = [sys.executable, "-m", "kernels.divergence", "--limit", "1024" if quick else "2048", *flags]
         p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("JSON:")]
         if p.returncode != 0 or not line:

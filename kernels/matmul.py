@@ -108,8 +108,11 @@ CONFIGS = [
 ]
 _BY_NAME = {c.name: c for c in CONFIGS}
 
-#: (largest M, config name): the first row whose bound is >= M is used.
-TABLE = [(64, "small"), (256, "mid"), (2048, "large"), (None, "large_persistent")]
+#: (largest M, config for N <= 8192, config for N > 8192): the first row whose bound is >= M.
+#: Chosen from the H200 sweep of 2026-11-30 (results/h200/matmul_sweep.json, every config timed
+#: and proven to give the same bits): small tiles spread a thin M over many CTAs; from M > 256 the
+#: 128x256 tile is fastest.  fp32 uses "large" instead of "wide" (register budget).
+TABLE = [(64, "small", "mid"), (256, "mid", "wide"), (None, "wide", "wide")]
 
 
 def block_k(dtype: torch.dtype) -> int:
@@ -123,13 +126,16 @@ def block_k(dtype: torch.dtype) -> int:
 
 
 def select_config(M: int, N: int = 0, K: int = 0, dtype: torch.dtype = torch.bfloat16) -> MMConfig:
-    """The config the table picks for ``M`` rows (N, K, dtype are accepted for a future table;
-    whatever is picked, the bits are the same)."""
+    """The config the table picks for ``M`` rows of an (M, K) x (K, N) product.  Whatever is
+    picked, the bits are the same (the tiling over M/N never touches the K order)."""
     if isinstance(M, bool) or not isinstance(M, int) or M < 0:
         raise ValueError(f"M must be a non-negative int, got {M!r}")
     block_k(dtype)
-    for bound, name in TABLE:
+    for bound, narrow, broad in TABLE:
         if bound is None or M <= bound:
+            name = narrow if N <= 8192 else broad
+            if name == "wide" and dtype == torch.float32:
+                name = "large"
             return _BY_NAME[name]
     raise AssertionError("unreachable: the table ends with an unbounded row")
 
@@ -424,7 +430,10 @@ def _run2d(a, b, bias2, out, impl, config):
             r = r + bias2.double()
         return out.copy_(r)
     if impl == "cublas":
-        return torch.mm(a, b, out=out) if bias2 is None else torch.addmm(bias2, a, b, out=out)
+        if bias2 is None:
+            return torch.mm(a, b, out=out)
+        row_bias = bias2[0] if bias2.stride(0) == 0 else bias2  # what the caller passed: 1-D bias
+        return torch.addmm(row_bias, a, b, out=out)
     _launch(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), bias2, impl, config)
     return out
 

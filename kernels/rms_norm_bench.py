@@ -30,13 +30,14 @@ def invariance(quick: bool) -> tuple:
     for backend in fam.BACKENDS:
         for op in fam.OPS:
             for dt in ("bfloat16", "float16", "float32"):
-                for impl in ("invariant", "variant"):
+                impls = ("invariant", "variant") + (("invariant256",) if backend == "cuda" else ())
+                for impl in impls:
                     r = fam.seed_method(backend, op, impl, DTYPES[dt], hidden=4096, seeds=seeds)
                     rows.append(r)
                     print(f"  {backend:<6} {op:<36} {dt:<8} {impl:<9} rows differing {r['rows_differing']}")
     for backend in fam.BACKENDS:
         for op in fam.OPS:
-            inv = [r for r in rows if r["backend"] == backend and r["op"] == op and r["impl"] == "invariant"]
+            inv = [r for r in rows if r["backend"] == backend and r["op"] == op and r["impl"].startswith("invariant")]
             var = [r for r in rows if r["backend"] == backend and r["op"] == op and r["impl"] == "variant"]
             checks.append({"name": f"{backend} {op} invariant: first 255 rows bit-identical in 255 vs 300 tokens",
                            "passed": all(r["rows_differing"] == 0 for r in inv),
@@ -100,6 +101,7 @@ def bench(quick: bool) -> tuple:
             ("rms_norm", "triton-variant"): lambda x, w, r, o: tri.rms_norm(x, w, 1e-6, impl="variant", out=o),
             ("rms_norm", "cuda-invariant"): lambda x, w, r, o: cu.rms_norm(o, x, w, 1e-6, impl="invariant"),
             ("rms_norm", "cuda-variant"): lambda x, w, r, o: cu.rms_norm(o, x, w, 1e-6, impl="variant"),
+            ("rms_norm", "cuda-invariant256"): lambda x, w, r, o: cu.rms_norm(o, x, w, 1e-6, impl="invariant256"),
             ("rms_norm", "torch.compile"): lambda x, w, r, o: compiled_norm(x, w),
             ("fused_add_rms_norm", "triton-invariant"):
                 lambda x, w, r, o: tri.fused_add_rms_norm(x, r, w, 1e-6, impl="invariant", out=o, residual_out=r),
@@ -107,6 +109,8 @@ def bench(quick: bool) -> tuple:
                 lambda x, w, r, o: tri.fused_add_rms_norm(x, r, w, 1e-6, impl="variant", out=o, residual_out=r),
             ("fused_add_rms_norm", "cuda-invariant"): lambda x, w, r, o: cu.fused_add_rms_norm(x, r, w, 1e-6, impl="invariant"),
             ("fused_add_rms_norm", "cuda-variant"): lambda x, w, r, o: cu.fused_add_rms_norm(x, r, w, 1e-6, impl="variant"),
+            ("fused_add_rms_norm", "cuda-invariant256"):
+                lambda x, w, r, o: cu.fused_add_rms_norm(x, r, w, 1e-6, impl="invariant256"),
             ("fused_add_rms_norm", "torch.compile"): lambda x, w, r, o: compiled_add(x, r, w),
         }
         for (op, impl), fn in impls.items():

@@ -77,9 +77,12 @@ def test_every_config_gives_the_default_bits(dtype):
 def test_config_table():
     names = {c.name for c in MM.CONFIGS}
     assert {c.name for c in MM.invariant_candidates()} == names
-    assert all(name in names for _, name in MM.TABLE)
-    picks = [MM.select_config(m).name for m in (1, 64, 65, 256, 257, 2048, 2049, 10 ** 6)]
-    assert picks == ["small", "small", "mid", "mid", "large", "large", "large_persistent", "large_persistent"]
+    assert all(a in names and b in names for _, a, b in MM.TABLE)
+    picks = [MM.select_config(m, 4096).name for m in (1, 64, 65, 256, 257, 10 ** 6)]
+    assert picks == ["small", "small", "mid", "mid", "wide", "wide"]
+    picks = [MM.select_config(m, 151936).name for m in (1, 64, 65, 256, 257)]
+    assert picks == ["mid", "mid", "wide", "wide", "wide"]
+    assert MM.select_config(300, 4096, 4096, torch.float32).name == "large"
     assert MM.block_k(torch.bfloat16) == MM.block_k(torch.float16) == 64 and MM.block_k(torch.float32) == 32
     for m in MS:  # K order fixed: BLOCK_K and split_k never depend on M for the invariant impl
         info = MM.launch_info(m, N, 4096, torch.bfloat16)
