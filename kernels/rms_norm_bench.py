@@ -81,11 +81,11 @@ def bench(quick: bool) -> tuple:
     tokens = [1, 16, 256, 4096, 65536] if quick else [1, 4, 16, 64, 256, 1024, 4096, 16384, 32768, 65536]
     ceiling = copy_bandwidth_gbs()
     print(f"  copy ceiling {ceiling:.0f} GB/s")
-    import torch._dynamo
+    import torch._dynamo as dynamo
 
     for knob in ("recompile_limit", "cache_size_limit"):  # one specialization per token count
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, 64)
+        if hasattr(dynamo.config, knob):
+            setattr(dynamo.config, knob, 64)
     compiled_norm = torch.compile(_torch_rms_norm, dynamic=False)
     compiled_add = torch.compile(_torch_fused_add, dynamic=False)
     rows = []
