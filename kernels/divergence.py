@@ -88,10 +88,10 @@ def op_first_divergence(op: str, dtype: torch.dtype, n: int, k: int, batch_sizes
 
 
 def invariance_map(shapes=((4096, 4096), (4096, 12288)), dtypes=("bfloat16", "float16", "float32"),
-                   limit: int = 2048) -> list:
+                   limit: int = 2048, ops=OPS) -> list:
     sizes = default_batch_sizes(limit)
     rows = []
-    for op in OPS:
+    for op in ops:
         for dt in dtypes:
             for n, k in shapes:
                 rows.append(op_first_divergence(op, DTYPES[dt], n, k, sizes))
@@ -106,11 +106,16 @@ if __name__ == "__main__":  # one process per cuBLAS environment (it is read at 
     ap = argparse.ArgumentParser(description="first-divergence map of torch.mm/bmm/linear, as JSON on stdout")
     ap.add_argument("--cublaslt", action="store_true", help="torch.backends.cuda.preferred_blas_library('cublaslt')")
     ap.add_argument("--limit", type=int, default=2048)
+    ap.add_argument("--quick", action="store_true", help="mm and linear, bf16 and fp16, N=K=4096 only")
     args = ap.parse_args()
     if args.cublaslt:
         torch.backends.cuda.preferred_blas_library("cublaslt")
     env = {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
-    out = invariance_map(limit=args.limit)
+    if args.quick:
+        out = invariance_map(shapes=((4096, 4096),), dtypes=("bfloat16", "float16"), limit=args.limit,
+                             ops=("mm", "linear"))
+    else:
+        out = invariance_map(limit=args.limit)
     for r in out:
         r["cublas_env"] = env
         r["preferred_blas"] = "cublaslt" if args.cublaslt else "default"
