@@ -50,3 +50,20 @@ def positive_int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     return v
+
+
+def norm_operands(x: torch.Tensor, weight, residual=None) -> None:
+    """The operands of a normalization beside ``x`` (already checked): ``weight`` of shape
+    ``(hidden,)`` and an optional ``residual`` shaped like ``x``, same dtype and device."""
+    hidden = x.shape[-1]
+    tensor("weight", weight, dim=1)
+    same_device("weight", weight, "x", x)
+    same_dtype("weight", weight, "x", x)
+    if weight.shape[0] != hidden:
+        raise ValueError(f"weight must have shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
+    if residual is not None:
+        tensor("residual", residual, dim=x.dim())
+        same_device("residual", residual, "x", x)
+        same_dtype("residual", residual, "x", x)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")

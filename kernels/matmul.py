@@ -195,16 +195,10 @@ def launch_info(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, 
 
 # --------------------------------------------------------------------------------------------
 # Triton helpers shared with kernels.override (fp32 <-> 16-bit moves that are exact on the
-# interpreter and the GPU alike)
+# interpreter and the GPU alike); to_f32 lives in kernels.tl_numerics
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
-def to_f32(x):
-    """Exact widening to fp32 (bf16 through its bits: the interpreter's bf16 cast is unsafe)."""
-    if x.dtype == tl.bfloat16:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
+from .tl_numerics import to_f32  # noqa: E402,F401  (re-exported: kernels.override uses it)
 
 
 @triton.jit

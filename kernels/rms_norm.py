@@ -42,6 +42,8 @@ from .device import DEVICE, INTERPRET
 import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
+from .tl_numerics import to_f32 as _to_f32  # noqa: E402
+
 __all__ = [
     "OPS",
     "IMPLS",
@@ -183,15 +185,6 @@ def _round(v, DTYPE: tl.constexpr):
         return v.to(tl.float16).to(tl.float32)
     else:
         return v
-
-
-@triton.jit
-def _to_f32(x):
-    """Exact widening to fp32 (bf16 by a 16-bit shift of its bits)."""
-    if x.dtype == tl.bfloat16:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit
@@ -357,18 +350,8 @@ def _check_inputs(x, weight, eps, impl, residual=None, scale=None, group_size=No
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     checks.tensor("x", x, dim=2)
-    checks.tensor("weight", weight, dim=1)
-    checks.same_dtype("weight", weight, "x", x)
-    checks.same_device("weight", weight, "x", x)
+    checks.norm_operands(x, weight, residual)
     h = x.shape[1]
-    if weight.shape[0] != h:
-        raise ValueError(f"weight has {weight.shape[0]} elements but x has hidden size {h}")
-    if residual is not None:
-        checks.tensor("residual", residual, dim=2)
-        checks.same_dtype("residual", residual, "x", x)
-        checks.same_device("residual", residual, "x", x)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}")
     if scale is not None:
         checks.tensor("scale", scale, dtypes=(torch.float32,))
         checks.same_device("scale", scale, "x", x)

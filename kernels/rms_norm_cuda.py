@@ -244,17 +244,8 @@ def _validate(op, impl, eps, x, weight, residual=None, out=None, out_dtype=None,
     if x.device.type not in ("cpu", "cuda"):
         raise ValueError(f"x must be on cpu or cuda, got {x.device}")
     rows, hidden = x.shape
-    checks.tensor("weight", weight, dim=1)
-    checks.same_device("weight", weight, "x", x)
-    checks.same_dtype("weight", weight, "x", x)
-    if weight.shape[0] != hidden:
-        raise ValueError(f"weight must have shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
+    checks.norm_operands(x, weight, residual)
     if residual is not None:
-        checks.tensor("residual", residual, dim=2)
-        checks.same_device("residual", residual, "x", x)
-        checks.same_dtype("residual", residual, "x", x)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
         _no_overlap("residual", residual, "x", x)
     if out is not None:
         checks.tensor("out", out, dtypes=(out_dtype,), dim=2)
