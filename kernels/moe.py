@@ -1,0 +1,623 @@
+"""Mixture of Experts: a float64 reference, a batch-*invariant* Triton MoE and its *variant* twin.
+
+The pipeline of one MoE layer (Qwen3-MoE / Mixtral / DeepSeek style), one public function each:
+
+1. :func:`route`  router scores (softmax, or DeepSeek's sigmoid) of the gating logits, top-k
+   with a fixed tie rule (equal scores: the *lower expert index* wins), optional renormalization
+   of the k chosen weights (summed in rank order 0..k-1);
+2. :func:`dispatch`  a stable sort of the (token, expert) pairs by expert, then by token (then
+   rank), each expert's rows padded to a multiple of ``BLOCK_M``: sorted row ids, one expert id
+   per block, padded counts.  A sort and searches, no atomics: nothing about the *order* in
+   which threads ran can leak into the result (and only the *place* of a row depends on the
+   batch; the next steps compute every row on its own);
+3. :func:`grouped_gemm`  each block multiplies its rows by its expert's weight: gate/up with
+   SiLU-and-mul fused (``silu(x W_g^T) * (x W_u^T)``, one rounding), then down;
+4. :func:`combine`  a token's output = sum over its k experts of ``weight * y`` in rank order
+   ``k = 0..top_k-1`` in fp32, rounded once.
+
+:func:`fused_moe` runs all four, the gating matmul (``x @ router_weight.T``, by
+:func:`kernels.matmul.linear`) first.
+
+``impl``:
+
+* ``"invariant"``: every reduction has one schedule whatever the batch: the router's per-token
+  softmax sum has block size and warps chosen from the number of experts only
+  (:func:`router_launch`); the grouped GEMM has one K schedule for every expert load (``BLOCK_K``
+  from the dtype, :func:`kernels.matmul.block_k`; no split-K; the K loop from 0 upward).  The
+  M/N tile is taken from a table keyed by tokens per expert (:data:`INVARIANT_TABLE`) but it only
+  decides *which program* computes a row, never *how*: any config may be forced with
+  ``config=`` and gives the same bits;
+* ``"variant"``: launched like production: the router's rows per program, warps and the lanes
+  that share a token's softmax sum are picked from the token count (a different tree for the
+  sum), the gating matmul is :func:`kernels.matmul` 's split-K variant, and the grouped GEMM takes
+  ``BLOCK_K`` and split-K from a table keyed by tokens per expert (:data:`VARIANT_TABLE`, as
+  tuned tables do: vLLM's fused-MoE JSON configs pick ``BLOCK_SIZE_K`` by M; split-K for thin
+  loads is the other common knob).  It fails the invariance check (negative control);
+* ``"reference"``: float64 torch from the gating logits (rounded to ``x``'s dtype like the
+  kernels' logits) to the output, one rounding at the end.
+
+Numerics: inputs fp32, fp16 or bf16 (all weights in ``x``'s dtype); router scores and top-k
+weights fp32; GEMMs accumulate in fp32 (fp32 inputs with ``input_precision="ieee"``); the
+SiLU-and-mul activation and the down projection are rounded to ``x``'s dtype (as in vLLM's
+intermediate caches); the combine is fp32, rounded once.
+
+Under the Triton interpreter 16-bit tiles are widened to fp32 before ``tl.dot`` (exact), as in
+:mod:`kernels.matmul`.  Only plain pointer loads, ``tl.dot(a, b, acc)``, ``tl.reshape`` and
+``tl.static_range`` are used (Triton 3.0 features).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import checks
+from . import matmul as MM
+from .device import DEVICE, INTERPRET
+
+import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
+import triton.language as tl  # noqa: E402
+
+from .matmul import from_f32, to_f32  # noqa: E402
+
+__all__ = [
+    "IMPLS",
+    "SCORINGS",
+    "MoEConfig",
+    "INVARIANT_TABLE",
+    "VARIANT_TABLE",
+    "Dispatch",
+    "tokens_per_expert",
+    "select_config",
+    "router_launch",
+    "launch_info",
+    "route",
+    "dispatch",
+    "grouped_gemm",
+    "combine",
+    "fused_moe",
+    "reference_route",
+    "reference_moe",
+]
+
+IMPLS = ("invariant", "variant", "reference")
+SCORINGS = ("softmax", "sigmoid")
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configurations (pure data: the book prints them)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A grouped-GEMM launch.  For the invariant kernel ``block_k`` is the dtype's (fixed) and
+    ``split_k`` is 1; the variant's table sets both by the load."""
+
+    name: str
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+#: Invariant grouped GEMM: (largest tokens per expert, BLOCK_M, BLOCK_N, num_warps, num_stages).
+#: BLOCK_K is :func:`kernels.matmul.block_k` of the dtype for every row of the table.
+INVARIANT_TABLE = [(16, 16, 64, 4, 4), (128, 32, 64, 4, 4), (None, 64, 128, 8, 3)]
+
+#: Variant grouped GEMM, like a tuned production table: (largest tokens per expert, BLOCK_M,
+#: BLOCK_N, BLOCK_K for 16-bit inputs, SPLIT_K, num_warps, num_stages).  fp32 halves BLOCK_K
+#: (not below 32).  Thin loads split K to fill the GPU; the K step changes with the load too.
+VARIANT_TABLE = [(4, 16, 32, 128, 4, 4, 4), (32, 16, 64, 64, 2, 4, 4), (256, 64, 64, 32, 1, 4, 4),
+                 (None, 64, 128, 64, 1, 8, 3)]
+
+
+def tokens_per_expert(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """The average load the tables are keyed by: ``ceil(num_tokens * top_k / num_experts)``.
+    It comes from the *shapes* only (no device sync, CUDA-graph friendly)."""
+    return -(-int(num_tokens) * int(top_k) // int(num_experts))
+
+
+def select_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype = torch.bfloat16,
+                  impl: str = "invariant") -> MoEConfig:
+    """The grouped-GEMM config ``impl`` uses for this batch."""
+    _check_impl(impl)
+    load = tokens_per_expert(num_tokens, top_k, num_experts)
+    bk = MM.block_k(dtype)
+    if impl == "variant":
+        for bound, bm, bn, bk16, split, nw, ns in VARIANT_TABLE:
+            if bound is None or load <= bound:
+                k = bk16 if dtype != torch.float32 else max(32, bk16 // 2)
+                return MoEConfig(f"variant<={bound}", bm, bn, k, split, nw, ns)
+    for bound, bm, bn, nw, ns in INVARIANT_TABLE:
+        if bound is None or load <= bound:
+            if dtype == torch.float32 and bn > 64:
+                bn = 64  # register budget
+            return MoEConfig(f"invariant<={bound}", bm, bn, bk, 1, nw, ns)
+    raise AssertionError("unreachable: the tables end with an unbounded row")
+
+
+def router_launch(num_tokens: int, num_experts: int, impl: str = "invariant") -> dict:
+    """Rows per program (``block_t``), experts per row (``block_e``), ``num_warps`` and ``lanes``
+    of the router kernel.  ``lanes`` = 0: the softmax sum is one ``tl.sum`` over the row; else
+    lane ``l`` first sums experts ``l, l + lanes, ...`` (as threads striding over a row do)
+    and the lanes are then summed: another ``lanes``, another tree.  The invariant launch depends
+    on ``num_experts`` only; the variant's on ``num_tokens`` too."""
+    block_e = triton.next_power_of_2(max(1, int(num_experts)))
+    if impl == "variant":
+        if num_tokens <= 32:  # decode: one token per program, one warp, a lane per expert
+            return {"block_t": 1, "block_e": block_e, "num_warps": 1, "lanes": min(32, block_e)}
+        return {"block_t": 16, "block_e": block_e, "num_warps": 4, "lanes": min(4, block_e)}
+    return {"block_t": 16, "block_e": block_e, "num_warps": 4 if block_e <= 256 else 8, "lanes": 0}
+
+
+def _check_impl(impl):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Router
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _router_kernel(logits_ptr, w_ptr, ids_ptr, T, E, s_lt,
+                   TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                   LANES: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < T
+    cmask = cols < E
+    r64 = rows.to(tl.int64)
+    x = tl.load(logits_ptr + r64[:, None] * s_lt + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    x = to_f32(x)
+    if SIGMOID:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        x = tl.where(cmask[None, :], x, float("-inf"))
+        m = tl.max(x, axis=1)
+        e = tl.exp(x - m[:, None])  # padding experts: exp(-inf) = 0
+        if LANES == 0:
+            den = tl.sum(e, axis=1)
+        else:  # lane l holds experts l, l + LANES, ...; then the lanes are summed
+            part = tl.sum(tl.reshape(e, (BLOCK_T, BLOCK_E // LANES, LANES)), axis=1)
+            den = tl.sum(part, axis=1)
+        s = e / den[:, None]
+    s = tl.where(cmask[None, :], s, float("-inf"))
+
+    kcols = tl.arange(0, BLOCK_K)
+    wsel = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    isel = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for kk in tl.static_range(TOPK):
+        best = tl.max(s, axis=1)
+        # tie rule: among equal scores the lowest expert index wins
+        idx = tl.min(tl.where(s == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        wsel = tl.where(kcols[None, :] == kk, best[:, None], wsel)
+        isel = tl.where(kcols[None, :] == kk, idx[:, None], isel)
+        total = total + best  # rank order 0, 1, ..., TOPK-1
+        s = tl.where(cols[None, :] == idx[:, None], float("-inf"), s)
+    if RENORM:
+        wsel = wsel / total[:, None]
+    omask = rmask[:, None] & (kcols[None, :] < TOPK)
+    offs = r64[:, None] * TOPK + kcols[None, :]
+    tl.store(w_ptr + offs, wsel, mask=omask)
+    tl.store(ids_ptr + offs, isel, mask=omask)
+
+
+def _check_top_k(top_k, num_experts):
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts), got {top_k}")
+
+
+def _check_options(scoring, renormalize):
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+
+
+def _on_kernel_device(name, t, impl):
+    if impl in ("invariant", "variant") and t.device.type != DEVICE.type:
+        where = "under the Triton interpreter" if INTERPRET else "for the compiled Triton kernels"
+        raise ValueError(f"{name} must be on {DEVICE.type} {where}, got {t.device}")
+
+
+def _check_out(name, t, shape, dtype, like):
+    checks.tensor(name, t, dtypes=(dtype,), nonempty=False)
+    checks.same_device(name, t, "the input", like)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
+def reference_route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True):
+    """float64 router: ``(weights fp32 (T, k), ids int32 (T, k))``; a stable descending sort
+    keeps the lower expert index first among equal scores (the kernels' tie rule)."""
+    l64 = logits.double()
+    s = torch.softmax(l64, dim=-1) if scoring == "softmax" else torch.sigmoid(l64)
+    vals, ids = torch.sort(s, dim=-1, descending=True, stable=True)
+    vals, ids = vals[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        vals = vals / vals.sum(dim=-1, keepdim=True)
+    return vals.float(), ids.to(torch.int32)
+
+
+def route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
+          impl: str = "invariant", out: tuple | None = None) -> tuple:
+    """Router: ``logits`` (T, E) of a float dtype -> ``(topk_weights fp32 (T, k), topk_ids int32
+    (T, k))``, ranks ordered by score (highest first; ties: lower expert index first).
+    ``out``: an optional ``(weights, ids)`` pair to write (contiguous, those dtypes and shapes)."""
+    _check_impl(impl)
+    checks.tensor("logits", logits, dim=2)
+    _check_top_k(top_k, logits.shape[1])
+    _check_options(scoring, renormalize)
+    _on_kernel_device("logits", logits, impl)
+    if impl == "reference":
+        return reference_route(logits, top_k, scoring=scoring, renormalize=renormalize)
+    T, E = logits.shape
+    lc = router_launch(T, E, impl)
+    if out is None:
+        w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+        ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError("out must be a (weights, ids) pair")
+        w = _check_out("out[0]", out[0], (T, top_k), torch.float32, logits)
+        ids = _check_out("out[1]", out[1], (T, top_k), torch.int32, logits)
+    _router_kernel[(triton.cdiv(T, lc["block_t"]),)](
+        logits, w, ids, T, E, logits.stride(0),
+        TOPK=top_k, BLOCK_T=lc["block_t"], BLOCK_E=lc["block_e"], BLOCK_K=triton.next_power_of_2(top_k),
+        LANES=lc["lanes"], SIGMOID=scoring == "sigmoid", RENORM=renormalize, num_warps=lc["num_warps"],
+    )
+    return w, ids
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Dispatch
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Dispatch:
+    """Where each (token, rank) row goes.  Row id ``i = token * top_k + rank``.
+
+    ``sorted_ids`` (int32, ``num_blocks * block_m``): row ids grouped by expert (then by id),
+    each expert's group padded with ``num_valid`` (the "no row" marker) to a multiple of
+    ``block_m``; ``block_expert`` (int32, ``num_blocks``): the expert of each block, -1 for the
+    spare blocks at the end (the length is a bound from the shapes: ``num_valid + min(E,
+    num_valid) * (block_m - 1)`` rows, so nothing waits for the device); ``counts`` and
+    ``padded_counts`` (int64, E): rows per expert before and after padding."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    counts: torch.Tensor
+    padded_counts: torch.Tensor
+    num_valid: int
+    num_experts: int
+    top_k: int
+    block_m: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.numel()
+
+
+def dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, validate: bool = True) -> Dispatch:
+    """Stable deterministic sort of the (token, expert) pairs by expert then token, with each
+    expert's rows padded to a multiple of ``block_m`` (see :class:`Dispatch`).  ``validate``
+    checks that every id is in ``0..num_experts-1`` (a device sync on a GPU)."""
+    checks.tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), dim=2)
+    checks.positive_int("num_experts", num_experts)
+    checks.positive_int("block_m", block_m)
+    if validate:
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids must lie in 0..{num_experts - 1}, got values in {lo}..{hi}")
+    dev = topk_ids.device
+    T, k = topk_ids.shape
+    n = T * k
+    flat = topk_ids.reshape(-1).long()
+    sorted_e, order = torch.sort(flat, stable=True)  # by expert; equal experts keep the id order
+    bounds = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, device=dev))
+    counts = bounds[1:] - bounds[:-1]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    pstart = pend - padded
+    rank = torch.arange(n, device=dev) - bounds[sorted_e]
+    dest = pstart[sorted_e] + rank
+    num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
+    sorted_ids = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=dev) * block_m
+    be = torch.searchsorted(pend, starts, right=True)
+    block_expert = torch.where(be < num_experts, be, torch.full_like(be, -1)).to(torch.int32)
+    return Dispatch(sorted_ids, block_expert, counts, padded, n, int(num_experts), int(k), int(block_m))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Grouped GEMM
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expert_ptr,
+                         n_valid, N, K, s_am, s_ak, s_we, s_wn, s_wk, s_cm, s_cn,
+                         A_DIV: tl.constexpr, FUSE_SILU: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """Block ``pid_m`` of the dispatch times its expert's weight ``w[e]`` (N_w, K), read as
+    (K, N).  FUSE_SILU: columns n and N + n of ``w[e]`` are gate and up; the output is
+    ``silu(gate) * up``.  SPLIT_K > 1 (variant only): fp32 partials to ``ws``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = ids < n_valid
+        arow = (ids // A_DIV).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        cols = offs_n.to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_base = a_ptr + arow[:, None] * s_am
+        w_base = w_ptr + expert.to(tl.int64) * s_we + cols[None, :] * s_wn
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        if SPLIT_K == 1:
+            kb_lo = 0
+            kb_hi = k_blocks
+        else:
+            per_split = tl.cdiv(k_blocks, SPLIT_K)
+            kb_lo = split * per_split
+            kb_hi = tl.minimum(kb_lo + per_split, k_blocks)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):  # upward from the range's first block
+            k = kb * BLOCK_K + offs_k
+            mask_k = k < K
+            kk = k.to(tl.int64)
+            a = tl.load(a_base + kk[None, :] * s_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            wmask = mask_k[:, None] & mask_n[None, :]
+            b = tl.load(w_base + kk[:, None] * s_wk, mask=wmask, other=0.0)
+            if UPCAST:
+                a = to_f32(a)
+                b = to_f32(b)
+            if a.dtype == tl.float32:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if FUSE_SILU:
+                bu = tl.load(w_base + N * s_wn + kk[:, None] * s_wk, mask=wmask, other=0.0)
+                if UPCAST:
+                    bu = to_f32(bu)
+                if a.dtype == tl.float32:
+                    acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+                else:
+                    acc_u = tl.dot(a, bu, acc_u)
+        rows = ids.to(tl.int64)
+        mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            if FUSE_SILU:
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+            tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :] * s_cn, from_f32(acc, c_ptr.dtype.element_ty),
+                     mask=mask)
+        else:  # partials, contiguous [SPLIT_K, n_valid, (2 if FUSE_SILU else 1) * N]
+            width = 2 * N if FUSE_SILU else N
+            base = (split * n_valid + rows[:, None]) * width + cols[None, :]
+            tl.store(ws_ptr + base, acc, mask=mask)
+            if FUSE_SILU:
+                tl.store(ws_ptr + base + N, acc_u, mask=mask)
+
+
+@triton.jit
+def _splitk_epilogue_kernel(ws_ptr, c_ptr, n_valid, N, s_cm, s_cn, SPLIT_K: tl.constexpr,
+                            FUSE_SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The variant's second pass: partials added in split order, then the activation, rounded."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rows < n_valid)[:, None] & (cols < N)[None, :]
+    width = 2 * N if FUSE_SILU else N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        base = (s * n_valid + rows[:, None]) * width + cols[None, :]
+        acc += tl.load(ws_ptr + base, mask=mask, other=0.0)
+        if FUSE_SILU:
+            acc_u += tl.load(ws_ptr + base + N, mask=mask, other=0.0)
+    if FUSE_SILU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+    tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :] * s_cn, from_f32(acc, c_ptr.dtype.element_ty), mask=mask)
+
+
+def _resolve_config(config, num_tokens, top_k, num_experts, dtype, impl) -> MoEConfig:
+    if config is None:
+        return select_config(num_tokens, top_k, num_experts, dtype, impl)
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be None or a MoEConfig, got {type(config).__name__}")
+    if impl == "invariant" and (config.block_k != MM.block_k(dtype) or config.split_k != 1):
+        raise ValueError(f"config of the invariant kernel must have block_k={MM.block_k(dtype)} and split_k=1 "
+                         f"(the fixed K schedule), got block_k={config.block_k}, split_k={config.split_k}")
+    return config
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, disp: Dispatch, *, activation: str | None = None,
+                 gather_tokens: bool = False, impl: str = "invariant", config: MoEConfig | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``a`` times their expert's weight, one output row per dispatch row id.
+
+    ``a``: (num_valid, K), or with ``gather_tokens`` (T, K) (row id ``i`` reads ``a[i // top_k]``);
+    ``w``: (E, N_w, K) (``nn.Linear`` layout per expert).  ``activation=None``: out (num_valid,
+    N_w) = ``a_row @ w[e].T``; ``"silu_mul"``: ``N_w = 2 I`` (gate rows first, then up) and out
+    (num_valid, I) = ``silu(a_row @ w_g.T) * (a_row @ w_u.T)``, rounded once.  ``config``:
+    the table's pick by default (its ``block_m`` must equal ``disp.block_m``).  ``out``: optional,
+    contiguous, of ``a``'s dtype."""
+    _check_impl(impl)
+    if impl == "reference":
+        raise ValueError("impl must be 'invariant' or 'variant' for grouped_gemm (the reference is reference_moe)")
+    if not isinstance(disp, Dispatch):
+        raise TypeError(f"disp must be a Dispatch (from moe.dispatch), got {type(disp).__name__}")
+    if activation not in (None, "silu_mul"):
+        raise ValueError(f"activation must be None or 'silu_mul', got {activation!r}")
+    checks.tensor("a", a, dim=2)
+    checks.tensor("w", w, dim=3)
+    checks.same_dtype("w", w, "a", a)
+    checks.same_device("w", w, "a", a)
+    _on_kernel_device("a", a, impl)
+    rows_a = disp.num_valid // disp.top_k if gather_tokens else disp.num_valid
+    if a.shape[0] != rows_a:
+        raise ValueError(f"a must have {rows_a} rows for this dispatch, got {a.shape[0]}")
+    if w.shape[0] != disp.num_experts:
+        raise ValueError(f"w has {w.shape[0]} experts but the dispatch has {disp.num_experts}")
+    if w.shape[2] != a.shape[1]:
+        raise ValueError(f"w has {w.shape[2]} columns (K) but a has {a.shape[1]}")
+    fuse = activation == "silu_mul"
+    if fuse and w.shape[1] % 2:
+        raise ValueError(f"w must have an even number of rows (gate then up) for silu_mul, got {w.shape[1]}")
+    N = w.shape[1] // 2 if fuse else w.shape[1]
+    K = w.shape[2]
+    T = disp.num_valid // disp.top_k
+    cfg = _resolve_config(config, T, disp.top_k, disp.num_experts, a.dtype, impl)
+    if cfg.block_m != disp.block_m:
+        raise ValueError(f"config.block_m={cfg.block_m} must equal the dispatch's block_m={disp.block_m}")
+    if out is None:
+        out = torch.empty((disp.num_valid, N), dtype=a.dtype, device=a.device)
+    else:
+        _check_out("out", out, (disp.num_valid, N), a.dtype, a)
+    split = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
+    width = 2 * N if fuse else N
+    ws = torch.empty((split, disp.num_valid, width), dtype=torch.float32, device=a.device) if split > 1 else out
+    _grouped_gemm_kernel[(disp.num_blocks, triton.cdiv(N, cfg.block_n), split)](
+        a, w, out, ws, disp.sorted_ids, disp.block_expert, disp.num_valid, N, K,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        A_DIV=disp.top_k if gather_tokens else 1, FUSE_SILU=fuse, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=split, UPCAST=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        _splitk_epilogue_kernel[(triton.cdiv(disp.num_valid, 32), triton.cdiv(N, 64))](
+            ws, out, disp.num_valid, N, out.stride(0), out.stride(1),
+            SPLIT_K=split, FUSE_SILU=fuse, BLOCK_M=32, BLOCK_N=64, num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Combine
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, T, H, s_ym, s_om, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    """BLOCK_T tokens x BLOCK_H columns; each element is its own fp32 chain over the ranks."""
+    toks = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    tmask = toks < T
+    mask = tmask[:, None] & (cols < H)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for r in tl.static_range(TOPK):  # rank order 0, 1, ..., TOPK-1
+        wt = tl.load(w_ptr + toks * TOPK + r, mask=tmask, other=0.0)
+        y = to_f32(tl.load(y_ptr + (toks * TOPK + r)[:, None] * s_ym + cols[None, :], mask=mask, other=0.0))
+        acc = acc + wt[:, None] * y
+    tl.store(out_ptr + toks[:, None] * s_om + cols[None, :], from_f32(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine(y: torch.Tensor, topk_weights: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_{r=0}^{k-1} topk_weights[t, r] * y[t * k + r]`` in fp32, in rank order,
+    rounded once to ``y``'s dtype.  ``y`` (T*k, H), ``topk_weights`` fp32 (T, k) -> (T, H).
+    The same kernel serves every impl (it has one schedule)."""
+    checks.tensor("y", y, dim=2)
+    checks.tensor("topk_weights", topk_weights, dtypes=(torch.float32,), dim=2)
+    checks.same_device("topk_weights", topk_weights, "y", y)
+    _on_kernel_device("y", y, "invariant")
+    T, k = topk_weights.shape
+    if y.shape[0] != T * k:
+        raise ValueError(f"y must have {T * k} rows (tokens x top_k), got {y.shape[0]}")
+    H = y.shape[1]
+    if out is None:
+        out = torch.empty((T, H), dtype=y.dtype, device=y.device)
+    else:
+        _check_out("out", out, (T, H), y.dtype, y)
+    bt, bh = 16, min(256, triton.next_power_of_2(H))
+    _combine_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](y, topk_weights, out, T, H, y.stride(0), out.stride(0),
+                                                              TOPK=k, BLOCK_T=bt, BLOCK_H=bh, num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The whole layer
+# --------------------------------------------------------------------------------------------
+
+def _check_moe_inputs(x, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, impl):
+    _check_impl(impl)
+    checks.tensor("x", x, dim=2)
+    for name, t, d in (("router_weight", router_weight, 2), ("w_gate_up", w_gate_up, 3), ("w_down", w_down, 3)):
+        checks.tensor(name, t, dim=d)
+        checks.same_dtype(name, t, "x", x)
+        checks.same_device(name, t, "x", x)
+    _on_kernel_device("x", x, impl)
+    T, H = x.shape
+    E = router_weight.shape[0]
+    if router_weight.shape[1] != H:
+        raise ValueError(f"router_weight must have shape (E, {H}) for x of hidden size {H}, "
+                         f"got {tuple(router_weight.shape)}")
+    if w_gate_up.shape[0] != E or w_gate_up.shape[2] != H or w_gate_up.shape[1] % 2:
+        raise ValueError(f"w_gate_up must have shape ({E}, 2*I, {H}), got {tuple(w_gate_up.shape)}")
+    inter = w_gate_up.shape[1] // 2
+    if tuple(w_down.shape) != (E, H, inter):
+        raise ValueError(f"w_down must have shape ({E}, {H}, {inter}), got {tuple(w_down.shape)}")
+    _check_top_k(top_k, E)
+    _check_options(scoring, renormalize)
+
+
+def reference_moe(x, router_weight, w_gate_up, w_down, top_k, *, scoring="softmax", renormalize=True):
+    """float64 MoE from the gating logits (rounded to ``x``'s dtype, as the kernels' are) to
+    the output, rounded once to ``x``'s dtype."""
+    logits = (x.double() @ router_weight.double().t()).to(x.dtype)
+    w, ids = reference_route(logits, top_k, scoring=scoring, renormalize=renormalize)
+    x64, w13, w2 = x.double(), w_gate_up.double(), w_down.double()
+    inter = w_gate_up.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for r in range(top_k):
+        for e in torch.unique(ids[:, r]).tolist():
+            sel = (ids[:, r] == e).nonzero().squeeze(1)
+            h = x64[sel] @ w13[e].t()
+            act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+            out[sel] += w[sel, r].double().unsqueeze(1) * (act @ w2[e].t())
+    return out.to(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              top_k: int, *, scoring: str = "softmax", renormalize: bool = True, impl: str = "invariant",
+              config: MoEConfig | None = None) -> torch.Tensor:
+    """One MoE layer: ``x`` (T, H); ``router_weight`` (E, H); ``w_gate_up`` (E, 2I, H) (gate rows,
+    then up rows); ``w_down`` (E, H, I); all of one float dtype, contiguous -> (T, H).
+
+    ``logits = x @ router_weight.T`` (the kit's matmul, same ``impl``), :func:`route`,
+    :func:`dispatch`, :func:`grouped_gemm` (gate/up + SiLU-and-mul, then down), :func:`combine`.
+    ``config`` forces the grouped-GEMM launch (for the invariant kernel: any M/N tile, same bits)."""
+    _check_moe_inputs(x, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, impl)
+    if impl == "reference":
+        return reference_moe(x, router_weight, w_gate_up, w_down, top_k, scoring=scoring, renormalize=renormalize)
+    T = x.shape[0]
+    E = router_weight.shape[0]
+    logits = MM.linear(x, router_weight, impl=impl)
+    weights, ids = route(logits, top_k, scoring=scoring, renormalize=renormalize, impl=impl)
+    cfg = _resolve_config(config, T, top_k, E, x.dtype, impl)
+    disp = dispatch(ids, E, cfg.block_m, validate=False)
+    h = grouped_gemm(x, w_gate_up, disp, activation="silu_mul", gather_tokens=True, impl=impl, config=cfg)
+    y = grouped_gemm(h, w_down, disp, impl=impl, config=cfg)
+    return combine(y, weights)
+
+
+def launch_info(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
+                impl: str = "invariant") -> dict:
+    """The router launch and the grouped-GEMM config ``impl`` uses for this batch (for tables)."""
+    cfg = select_config(num_tokens, top_k, num_experts, dtype, impl)
+    return {"impl": impl, "tokens": num_tokens, "experts": num_experts, "top_k": top_k,
+            "tokens_per_expert": tokens_per_expert(num_tokens, top_k, num_experts),
+            "router": router_launch(num_tokens, num_experts, impl), **cfg.as_dict()}
+

@@ -1,0 +1,131 @@
+"""The MoE chapter's GPU measurements at Qwen3-30B-A3B shapes (128 experts, top-8, hidden 2048,
+expert intermediate 768, bf16).  Each function returns ``(rows, checks)`` in the shape of
+:mod:`kernels.results`; to be wired into ``python -m kernels.gpu_run`` as ``moe_*`` parts.
+
+* :func:`invariance`: a token alone vs the same token inside batches of 1..8192 tokens, uniform
+  and skewed routing; the invariant MoE must never differ, the variant must differ somewhere;
+* :func:`loads`: tokens per expert against the batch size (the chapter's histogram figure);
+* :func:`bench`: median time of the invariant MoE and of the variant with its tuned table.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import moe
+from .bench import median_us
+from .harness import bitwise_equal, ulp_distance
+
+E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
+DTYPE = torch.bfloat16
+ROUTINGS = ("uniform", "skewed")
+HOT = 8  # skewed routing: most tokens prefer these experts
+
+
+def _sizes(quick: bool) -> list:
+    return [1, 16, 256, 4096] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def _weights(seed: int = 0) -> tuple:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rw = torch.randn((E, HIDDEN), generator=g, device="cuda") * HIDDEN ** -0.5
+    u = torch.randn((HIDDEN,), generator=g, device="cuda")
+    u = u / u.norm()
+    w13 = (torch.randn((E, 2 * INTER, HIDDEN), generator=g, device="cuda") * HIDDEN ** -0.5).to(DTYPE)
+    w2 = (torch.randn((E, HIDDEN, INTER), generator=g, device="cuda") * INTER ** -0.5).to(DTYPE)
+    skewed_rw = rw.clone()
+    skewed_rw[:HOT] += 3.0 * u  # the hot experts share a direction ...
+    return {"uniform": rw.to(DTYPE), "skewed": skewed_rw.to(DTYPE)}, w13, w2, u
+
+
+def _tokens(n: int, routing: str, u: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn((n, HIDDEN), generator=g, device="cuda")
+    if routing == "skewed":
+        x = x + 2.0 * u  # ... that every token carries
+    return x.to(DTYPE)
+
+
+def invariance(quick: bool) -> tuple:
+    sizes = _sizes(quick)
+    rws, w13, w2, u = _weights()
+    probes = [0, 1, 7, 100, 1000, 5000]
+    rows, checks = [], []
+    for routing in ROUTINGS:
+        rw = rws[routing]
+        x_all = _tokens(max(sizes), routing, u)
+        for impl in ("invariant", "variant"):
+            f = lambda x: moe.fused_moe(x, rw, w13, w2, TOPK, impl=impl)  # noqa: E731
+            alone = {p: f(x_all[p:p + 1].clone())[0] for p in probes if p < max(sizes)}
+            for n in sizes:
+                out = f(x_all[:n])
+                ps = [p for p in probes if p < n] + ([n - 1] if n - 1 not in probes else [])
+                if n - 1 not in alone:
+                    alone[n - 1] = f(x_all[n - 1:n].clone())[0]
+                differ = [p for p in ps if not bitwise_equal(out[p], alone[p])]
+                max_ulp = max((int(ulp_distance(out[p], alone[p]).max()) for p in differ), default=0)
+                rows.append({"op": "moe", "impl": impl, "routing": routing, "tokens": n, "experts": E, "top_k": TOPK,
+                             "hidden": HIDDEN, "inter": INTER, "dtype": "bfloat16", "rows_compared": len(ps),
+                             "rows_differing": len(differ), "positions_differing": differ, "max_ulp": max_ulp,
+                             "config": moe.select_config(n, TOPK, E, DTYPE, impl).name})
+                print(f"  {routing:<8} {impl:<9} T={n:<5} rows differing {len(differ)} of {len(ps)}", flush=True)
+        inv = [r for r in rows if r["routing"] == routing and r["impl"] == "invariant"]
+        var = [r for r in rows if r["routing"] == routing and r["impl"] == "variant"]
+        checks.append({"name": f"moe invariant ({routing} routing): a token alone == the token in every batch",
+                       "passed": all(r["rows_differing"] == 0 for r in inv),
+                       "rows_compared": sum(r["rows_compared"] for r in inv)})
+        checks.append({"name": f"moe variant ({routing} routing): the same check finds a difference (negative control)",
+                       "passed": any(r["rows_differing"] > 0 for r in var),
+                       "differing_tokens": [r["tokens"] for r in var if r["rows_differing"]]})
+    return rows, checks
+
+
+def loads(quick: bool) -> tuple:
+    sizes = _sizes(quick)
+    rws, _, _, u = _weights()
+    rows = []
+    for routing in ROUTINGS:
+        x_all = _tokens(max(sizes), routing, u)
+        for n in sizes:
+            logits = moe.MM.linear(x_all[:n], rws[routing])
+            _, ids = moe.route(logits, TOPK)
+            counts = torch.bincount(ids.reshape(-1).long(), minlength=E).cpu()
+            inv = moe.select_config(n, TOPK, E, DTYPE, "invariant")
+            var = moe.select_config(n, TOPK, E, DTYPE, "variant")
+            padded = int((-(-counts // inv.block_m) * inv.block_m).sum())
+            rows.append({"op": "moe_loads", "impl": "kit-invariant-router", "routing": routing, "tokens": n,
+                         "experts": E, "top_k": TOPK, "counts": counts.tolist(), "max": int(counts.max()),
+                         "min": int(counts.min()), "mean": n * TOPK / E, "experts_idle": int((counts == 0).sum()),
+                         "padded_rows": padded, "invariant_config": inv.as_dict(), "variant_config": var.as_dict()})
+            print(f"  {routing:<8} T={n:<5} max {int(counts.max())} idle {int((counts == 0).sum())}", flush=True)
+    checks = [{"name": "every routed (token, expert) pair is counted once", "passed":
+               all(sum(r["counts"]) == r["tokens"] * TOPK for r in rows)}]
+    return rows, checks
+
+
+def bench(quick: bool) -> tuple:
+    sizes = _sizes(quick)
+    rws, w13, w2, u = _weights()
+    rw = rws["uniform"]
+    x_all = _tokens(max(sizes), "uniform", u)
+    rows, checks = [], []
+    for n in sizes:
+        x = x_all[:n].clone()
+        cell = {}
+        for impl in ("invariant", "variant"):
+            fn = lambda a, impl=impl: moe.fused_moe(a, rw, w13, w2, TOPK, impl=impl)  # noqa: E731
+            try:
+                t, graph = median_us(fn, rotate=[(x,)], reps=30 if quick else 100, graph=True), True
+            except Exception:  # a capture that fails: time plain launches instead
+                t, graph = median_us(fn, rotate=[(x,)], reps=30 if quick else 100), False
+            flop = 2.0 * n * TOPK * 3 * HIDDEN * INTER
+            cell[impl] = t["median_us"]
+            rows.append({"op": "moe", "impl": f"kit-{impl}", "tokens": n, "experts": E, "top_k": TOPK,
+                         "hidden": HIDDEN, "inter": INTER, "dtype": "bfloat16", **t,
+                         "tflops": flop / (t["median_us"] * 1e-6) / 1e12, "cuda_graph": graph,
+                         "config": moe.select_config(n, TOPK, E, DTYPE, impl).as_dict()})
+        ratio = cell["invariant"] / cell["variant"]
+        print(f"  T={n:<5} invariant {cell['invariant']:.1f} us, variant {cell['variant']:.1f} us, "
+              f"ratio {ratio:.2f}", flush=True)
+        checks.append({"name": f"moe T={n}: invariant / variant time (observed)", "passed": True,
+                       "informational": True, "ratio_invariant_over_variant": ratio})
+    return rows, checks

@@ -1,0 +1,324 @@
+"""MoE: a token's output is bitwise the same alone and inside batches of many sizes and
+compositions (uniform, skewed and duplicated routing; expert counts crossing BLOCK_M edges;
+every grouped-GEMM tile); the router and grouped-GEMM variants fail the same check (negative
+controls); accuracy against float64; guard regions; bad input refused naming the argument;
+the tie rule; the dispatch layout.
+
+Tiny shapes (8 experts, top-2, hidden 64, intermediate 32) keep the file inside two minutes
+under the Triton interpreter; the negative controls use fp32 and hidden 256 (more K blocks,
+so a different split or K step shows in the bits).
+"""
+import pytest
+import torch
+
+import kernels
+from kernels import moe
+from kernels.guard import Guarded
+from kernels.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
+
+DEV = kernels.DEVICE
+E, TOPK, H, INTER = 8, 2, 64, 32
+SIZES = [1, 2, 7, 9, 17, 33, 65, 130, 260]
+
+
+def _name(dt):
+    return str(dt).replace("torch.", "")
+
+
+def _weights(dtype, e=E, h=H, inter=INTER, seed=10, hot=False):
+    rw = seeded_normal((e, h), seed) * h ** -0.5
+    if hot:  # experts 0 and 1 share a direction that the skewed tokens carry: most tokens go there
+        u = _hot_direction(h)
+        rw[0] += 3.0 * u
+        rw[1] += 2.5 * u
+    w13 = seeded_normal((e, 2 * inter, h), seed + 1) * h ** -0.5
+    w2 = seeded_normal((e, h, inter), seed + 2) * inter ** -0.5
+    return tuple(t.to(dtype=dtype, device=DEV) for t in (rw, w13, w2))
+
+
+def _hot_direction(h):
+    u = seeded_normal((h,), 99)
+    return u / u.norm()
+
+
+def _maker(kind, dtype, h=H):
+    base = row_maker(h, dtype=torch.float64)
+    shift = 2.0 * _hot_direction(h)
+    dup = base(3, 7)  # three distinct rows, repeated: one expert pair takes the whole batch
+
+    def make(bs, seed=0):
+        if kind == "uniform":
+            x = base(bs, seed)
+        elif kind == "skewed":
+            x = base(bs, seed) + shift
+        else:
+            x = dup[torch.arange(bs) % 3]
+        return x.to(dtype=dtype, device=DEV)
+    return make
+
+
+def _moe(dtype, impl="invariant", hot=False, h=H, inter=INTER, **kw):
+    rw, w13, w2 = _weights(dtype, h=h, inter=inter, hot=hot)
+    return lambda x: moe.fused_moe(x, rw, w13, w2, TOPK, impl=impl, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# invariance
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "duplicated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_invariant_token_alone_equals_token_in_batch(dtype, kind):
+    f = _moe(dtype, hot=kind != "uniform")
+    report = check_invariance(f, _maker(kind, dtype), SIZES)
+    assert report.passed, report.summary()
+
+
+def test_invariant_sigmoid_no_renorm_and_fp16():
+    f = _moe(torch.float16, scoring="sigmoid", renormalize=False)
+    report = check_invariance(f, _maker("uniform", torch.float16), [1, 9, 33, 130], seeds=(0, 1))
+    assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_every_tile_gives_the_same_bits(dtype):
+    """The M/N tile (and so the dispatch padding) never changes a row's bits."""
+    rw, w13, w2 = _weights(dtype, hot=True)
+    x = _maker("skewed", dtype)(130)
+    default = moe.fused_moe(x, rw, w13, w2, TOPK)
+    bk = moe.MM.block_k(dtype)
+    bad = []
+    for bm in (16, 32, 64):
+        for bn in (32, 64, 128):
+            cfg = moe.MoEConfig(f"t{bm}x{bn}", bm, bn, bk, 1, 4, 2)
+            if not bitwise_equal(moe.fused_moe(x, rw, w13, w2, TOPK, config=cfg), default):
+                bad.append((bm, bn))
+    assert not bad, f"tiles whose bits differ from the default: {bad}"
+
+
+def test_tables_and_launches():
+    for t in (1, 7, 65, 300, 10 ** 5):
+        assert moe.router_launch(t, 128) == moe.router_launch(1, 128)
+        for dt in (torch.bfloat16, torch.float32):
+            c = moe.select_config(t, 8, 128, dt)
+            assert c.block_k == moe.MM.block_k(dt) and c.split_k == 1
+    assert moe.router_launch(1, 128, "variant") != moe.router_launch(300, 128, "variant")
+    v = [moe.select_config(t, 8, 128, torch.bfloat16, "variant") for t in (1, 256, 4096, 8192)]
+    assert [c.split_k for c in v] == [4, 2, 1, 1] and len({c.block_k for c in v}) > 1
+    assert [moe.select_config(t, 8, 128).block_m for t in (1, 256, 2048, 8192)] == [16, 16, 32, 64]
+    with pytest.raises(ValueError, match="config"):
+        moe.fused_moe(*_args(torch.float32), config=moe.MoEConfig("x", 16, 32, 64, 1, 4, 2))
+    with pytest.raises(TypeError, match="config"):
+        moe.fused_moe(*_args(torch.float32), config="small")
+
+
+# ---------------------------------------------------------------------------------------------
+# negative controls
+# ---------------------------------------------------------------------------------------------
+
+def test_variant_router_fails():
+    route = lambda lg: moe.route(lg, TOPK, renormalize=False, impl="variant")  # noqa: E731
+    make = row_maker(64, dtype=torch.float32, scale=2.0)
+    report = check_invariance(route, make, [1, 40, 100], seeds=(0, 1))
+    assert not report.passed, "the router variant should change the softmax sum with the batch"
+    for scoring in ("softmax", "sigmoid"):
+        inv = lambda lg: moe.route(lg, TOPK, scoring=scoring, renormalize=False)  # noqa: E731
+        report = check_invariance(inv, make, [1, 40, 100], seeds=(0, 1))
+        assert report.passed, report.summary()
+
+
+def _pieces(dtype, gemm_impl, h=256, inter=64):
+    """Invariant gating and router, ``gemm_impl`` grouped GEMMs: isolates the GEMM variant."""
+    rw, w13, w2 = _weights(dtype, h=h, inter=inter)
+
+    def f(x):
+        w, ids = moe.route(moe.MM.linear(x, rw), TOPK)
+        cfg = moe.select_config(x.shape[0], TOPK, E, dtype, gemm_impl)
+        d = moe.dispatch(ids, E, cfg.block_m)
+        act = moe.grouped_gemm(x, w13, d, activation="silu_mul", gather_tokens=True, impl=gemm_impl)
+        return moe.combine(moe.grouped_gemm(act, w2, d, impl=gemm_impl), w)
+    return f
+
+
+def test_variant_grouped_gemm_fails():
+    make = _maker("uniform", torch.float32, h=256)
+    report = check_invariance(_pieces(torch.float32, "variant"), make, [1, 130], stop_at_first=True)
+    assert not report.passed, "the grouped-GEMM variant (split-K / BLOCK_K by load) should depend on the batch"
+    report = check_invariance(_pieces(torch.float32, "invariant"), make, [1, 130])
+    assert report.passed, report.summary()
+
+
+def test_variant_fused_moe_fails():
+    f = _moe(torch.float32, impl="variant", h=256, inter=64)
+    report = check_invariance(f, _maker("uniform", torch.float32, h=256), [1, 130], stop_at_first=True)
+    assert not report.passed
+
+
+# ---------------------------------------------------------------------------------------------
+# accuracy, guards
+# ---------------------------------------------------------------------------------------------
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 4e-2, torch.float16: 5e-3}
+
+
+@pytest.mark.parametrize("scoring,renorm", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_name)
+def test_matches_float64_reference(dtype, scoring, renorm):
+    rw, w13, w2 = _weights(dtype)
+    x = _maker("uniform", dtype)(50)
+    kw = dict(scoring=scoring, renormalize=renorm)
+    logits = moe.MM.linear(x, rw)
+    w, ids = moe.route(logits, TOPK, **kw)
+    rwt, rids = moe.reference_route(logits, TOPK, **kw)
+    assert torch.equal(ids.cpu(), rids.cpu())
+    assert torch.allclose(w.cpu(), rwt.cpu(), rtol=1e-6, atol=1e-7)
+    ref = moe.fused_moe(x, rw, w13, w2, TOPK, impl="reference", **kw).double().cpu()
+    for impl in ("invariant", "variant"):
+        got = moe.fused_moe(x, rw, w13, w2, TOPK, impl=impl, **kw).double().cpu()
+        err = float((got - ref).abs().max() / ref.abs().max())
+        assert err < TOL[dtype], f"{impl}: relative error {err}"
+
+
+@pytest.mark.parametrize("impl", ["invariant", "variant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_guard_regions(dtype, impl):
+    rw, w13, w2 = _weights(dtype)
+    x = _maker("skewed", dtype)(45)
+    T = x.shape[0]
+    gw, gi = Guarded((T, TOPK), torch.float32, DEV), Guarded((T, TOPK), torch.int32, DEV)
+    w, ids = moe.route(moe.MM.linear(x, rw), TOPK, impl=impl, out=(gw.tensor, gi.tensor))
+    cfg = moe.select_config(T, TOPK, E, dtype, impl)
+    d = moe.dispatch(ids, E, cfg.block_m)
+    ga = Guarded((T * TOPK, INTER), dtype, DEV)
+    moe.grouped_gemm(x, w13, d, activation="silu_mul", gather_tokens=True, impl=impl, out=ga.tensor)
+    gy = Guarded((T * TOPK, H), dtype, DEV)
+    moe.grouped_gemm(ga.tensor, w2, d, impl=impl, out=gy.tensor)
+    go = Guarded((T, H), dtype, DEV)
+    moe.combine(gy.tensor, gw.tensor, out=go.tensor)
+    for g in (gw, gi, ga, gy, go):
+        g.check()
+        assert g.unwritten() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# tie rule, dispatch
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", ["invariant", "variant", "reference"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_tie_rule_lower_expert_wins(impl, scoring):
+    lg = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+                       [0.0, 2.0, 0.5, 2.0, 0.0, 2.0, 0.0, 0.0],
+                       [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                       [-1.0, 3.0, 3.0, -1.0, 5.0, 3.0, 0.0, 0.0]], device=DEV)
+    w, ids = moe.route(lg, 3, scoring=scoring, impl=impl)
+    assert ids.tolist() == [[0, 1, 2], [1, 3, 5], [0, 1, 2], [4, 1, 2]]
+    assert torch.allclose(w.sum(1).cpu(), torch.ones(4))
+
+
+def test_dispatch_layout_across_block_edges():
+    bm = 16
+    for counts in ([15, 16, 17, 0, 31, 32, 33, 1], [0] * 7 + [40], [1] * 8):
+        # every expert appears counts[e] times across the rows of a top-2 id table
+        flat = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+        flat = flat[torch.from_numpy(__import__("numpy").random.default_rng(3).permutation(flat.numel()))]
+        if flat.numel() % 2:
+            continue
+        ids = flat.view(-1, 2).to(torch.int32).to(DEV)
+        d = moe.dispatch(ids, 8, bm)
+        n = ids.numel()
+        assert d.counts.tolist() == counts
+        assert d.padded_counts.tolist() == [-(-c // bm) * bm for c in counts]
+        s = d.sorted_ids.cpu().tolist()
+        be = d.block_expert.cpu().tolist()
+        pos = 0
+        for e, c in enumerate(counts):
+            want = [i for i in range(n) if int(flat[i]) == e]  # by expert, then by row id (token, rank)
+            blocks = -(-c // bm)
+            assert s[pos:pos + c] == want and all(v == n for v in s[pos + c:pos + blocks * bm])
+            assert be[pos // bm:pos // bm + blocks] == [e] * blocks
+            pos += blocks * bm
+        assert all(v == n for v in s[pos:]) and all(b == -1 for b in be[pos // bm:])
+        assert len(be) * bm == len(s) >= pos
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+
+def _args(dtype=torch.float32):
+    rw, w13, w2 = _weights(dtype)
+    return _maker("uniform", dtype)(3), rw, w13, w2, TOPK
+
+
+def test_bad_inputs_name_the_argument():
+    x, rw, w13, w2, k = _args()
+    cases = [
+        (dict(top_k=9), ValueError, "top_k"),
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(top_k=2.0), TypeError, "top_k"),
+        (dict(x=x.to(torch.int32)), TypeError, "x"),
+        (dict(x=x[:, :32].contiguous()), ValueError, "router_weight"),
+        (dict(x=x.t().contiguous().t()), ValueError, "x must be contiguous"),
+        (dict(x=x[:0]), ValueError, "x must not be empty"),
+        (dict(x=x[0]), ValueError, "x must be 2-D"),
+        (dict(router_weight=rw.to(torch.bfloat16)), TypeError, "router_weight"),
+        (dict(w_gate_up=w13[:, :-1]), ValueError, "w_gate_up"),
+        (dict(w_gate_up=w13[:4]), ValueError, "w_gate_up"),
+        (dict(w_down=w2[..., :16].contiguous()), ValueError, "w_down"),
+        (dict(w_down=w2.transpose(1, 2)), ValueError, "w_down"),
+        (dict(w_down="w"), TypeError, "w_down"),
+        (dict(scoring="tanh"), ValueError, "scoring"),
+        (dict(renormalize=1), TypeError, "renormalize"),
+        (dict(impl="fast"), ValueError, "impl"),
+    ]
+    for change, exc, msg in cases:
+        kw = dict(x=x, router_weight=rw, w_gate_up=w13, w_down=w2, top_k=k)
+        kw.update(change)
+        with pytest.raises(exc, match=msg):
+            moe.fused_moe(kw.pop("x"), kw.pop("router_weight"), kw.pop("w_gate_up"), kw.pop("w_down"),
+                          kw.pop("top_k"), **kw)
+    if DEV.type == "cpu" and torch.cuda.is_available() is False:
+        with pytest.raises(ValueError, match="x must be on cpu"):
+            moe.fused_moe(x.to("meta"), rw.to("meta"), w13.to("meta"), w2.to("meta"), k)
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe.dispatch(torch.tensor([[0, 8]], device=DEV), 8, 16)
+    with pytest.raises(TypeError, match="topk_ids"):
+        moe.dispatch(torch.tensor([[0.0, 1.0]], device=DEV), 8, 16)
+    with pytest.raises(ValueError, match="block_m"):
+        moe.dispatch(torch.tensor([[0, 1]], device=DEV), 8, 0)
+    d = moe.dispatch(torch.tensor([[0, 1]], device=DEV), 8, 32)
+    with pytest.raises(ValueError, match="block_m"):
+        moe.grouped_gemm(x[:1], w13, d, activation="silu_mul", gather_tokens=True)
+    with pytest.raises(ValueError, match="a must have"):
+        moe.grouped_gemm(x, w13, moe.dispatch(torch.tensor([[0, 1]], device=DEV), 8, 16), gather_tokens=True)
+    with pytest.raises(TypeError, match="disp"):
+        moe.grouped_gemm(x, w13, None)
+    with pytest.raises(TypeError, match="topk_weights"):
+        moe.combine(torch.zeros(6, H, device=DEV), torch.zeros(3, 2, dtype=torch.float64, device=DEV))
+    with pytest.raises(ValueError, match="y must have"):
+        moe.combine(torch.zeros(5, H, device=DEV), torch.zeros(3, 2, device=DEV))
+    with pytest.raises(ValueError, match="logits"):
+        moe.route(torch.zeros(3, device=DEV), 1)
+    with pytest.raises(ValueError, match="out"):
+        moe.route(torch.zeros(3, 8, device=DEV), 2, out=(torch.zeros(3, 3, device=DEV),
+                                                          torch.zeros(3, 2, dtype=torch.int32, device=DEV)))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (compiled Triton): Qwen3-30B-A3B-like routing at a reduced width
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_invariant_and_variant_bf16():
+    e, k, h, inter = 128, 8, 1024, 256
+    rw = (torch.randn(e, h, device=DEV) * h ** -0.5).bfloat16()
+    w13 = (torch.randn(e, 2 * inter, h, device=DEV) * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, device=DEV) * inter ** -0.5).bfloat16()
+    make = row_maker(h, dtype=torch.bfloat16)
+    sizes = [1, 3, 16, 64, 255, 256, 1024, 4096]
+    inv = lambda x: moe.fused_moe(x, rw, w13, w2, k)  # noqa: E731
+    report = check_invariance(inv, make, sizes, seeds=(0, 1))
+    assert report.passed, report.summary()
+    var = lambda x: moe.fused_moe(x, rw, w13, w2, k, impl="variant")  # noqa: E731
+    assert not check_invariance(var, make, sizes, stop_at_first=True).passed
