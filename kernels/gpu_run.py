@@ -117,11 +117,17 @@ def part_matmul_sweep(quick: bool) -> tuple:
     return gpu_sweep(shapes, ms, torch.bfloat16, reps=50)
 
 
-def _rms(name):
+def _from(module: str, name: str):
+    """A part that lives in another module (imported only when it runs)."""
     def part(quick):
-        from . import rms_norm_bench
-        return getattr(rms_norm_bench, name)(quick)
+        import importlib
+
+        return getattr(importlib.import_module(f"kernels.{module}"), name)(quick)
     return part
+
+
+def _rms(name):
+    return _from("rms_norm_bench", name)
 
 
 PARTS = {
@@ -134,6 +140,10 @@ PARTS = {
     "rms_norm_tune_warps": _rms("tune_warps"),
     "invariance_map": part_invariance_map,
     "matmul_sweep": part_matmul_sweep,
+    # issue 5 (written on CPU, not yet run on a GPU):
+    "moe_invariance": _from("moe_bench", "invariance"),
+    "moe_loads": _from("moe_bench", "loads"),
+    "moe_bench": _from("moe_bench", "bench"),
 }
 
 
