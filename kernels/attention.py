@@ -1,0 +1,608 @@
+"""Attention over a paged KV cache: a float64 reference, a batch-*invariant* Triton kernel and
+its split-KV *variant* twin.
+
+The paged KV cache
+------------------
+``k_cache``, ``v_cache``: ``(num_blocks, block_size, kv_heads, head_dim)`` (fp32, fp16 or bf16).
+A sequence's key at position ``p`` lives in physical block ``block_table[s, p // block_size]``,
+row ``p % block_size``.  :func:`write_kv` stores new keys/values at *slots*
+(``slot = block * block_size + row``, ``-1`` = skip, vLLM's convention) with a Triton kernel
+that copies bits (16-bit and fp32 values travel as integers: no rounding anywhere).
+
+One kernel for prefill, decode and mixed batches
+------------------------------------------------
+:func:`attention` takes a *varlen* batch like vLLM: ``q`` ``(num_tokens, q_heads, head_dim)``
+holds the new tokens of every sequence back to back (``query_start_loc``), ``seq_lens[s]`` is
+the context of sequence ``s`` *after* this step (cached tokens + new ones), so the new tokens
+of ``s`` are at positions ``seq_lens[s] - q_len .. seq_lens[s] - 1`` and are causal.  Decode is
+the case ``q_len = 1`` (:func:`decode`), prefill ``q_len = prompt`` (:func:`prefill`), chunked
+prefill and prefix-cache hits ``q_len < seq_len``.  GQA: ``q_heads`` a multiple of ``kv_heads``.
+
+The reduction schedule (what makes a token's bits independent of everything but itself)
+-------------------------------------------------------------------------------------
+Every query row (one token, one q head) is reduced over its keys ``0..p`` (``p`` its position)
+in the same way, whichever launch it is part of:
+
+1. keys are cut into KV tiles of ``block_n`` positions (tile ``j`` = keys ``j*block_n ..``),
+   visited in increasing order; the query row's own position lies in its *diagonal* tile
+   ``p // block_n``, where keys ``> p`` are masked (score ``-inf``);
+2. tiles are grouped into *splits* of ``split_size`` keys (a multiple of ``block_n``): split
+   ``i`` covers tiles ``i*split_size/block_n ..``; the row has ``ceil((p+1) / split_size)``
+   splits, a function of its own position only.  One program per (query tile, kv head, split)
+   runs the online softmax over the split's tiles in fp32: running max ``m``, sum ``l`` and
+   ``acc`` (``alpha = exp(m_old - m_new)``, ``p = exp(s - m_new)``, ``l = l*alpha + sum(p)``,
+   ``acc = acc*alpha + p @ V``; 16-bit ``p`` is rounded to V's dtype for the tensor cores);
+3. a second kernel (one program per token, all its q heads) merges the partial states in a
+   fixed order, a left fold in fp32:
+   ``(((s0 + s1) + s2) + ...)`` with ``m = max(m_a, m_b)``, ``l = l_a*e^(m_a-m) + l_b*e^(m_b-m)``,
+   ``acc`` likewise, then ``out = acc / l`` rounded once (RNE) to q's dtype.  One split still
+   goes through the merge kernel (``out = acc / l``), so there is one path for every row.
+
+A program's query tile holds ``q_tile`` consecutive tokens of one sequence times the q heads
+of one kv head (the rows of ``tl.dot``); the tile shape is the same constexpr in every launch
+(decode fills one token of it), so prefill and decode run the *same compiled kernel* with the
+same per-row arithmetic; rows never mix (every reduction is along a row).
+
+Chunk alignment rule (enforced)
+-------------------------------
+Query tiles start at the chunk's first token.  A sequence whose step has ``q_len > 1`` must
+start at a position that is a multiple of ``block_n`` (``(seq_len - q_len) % block_n == 0``,
+``ValueError`` otherwise; ``q_len = 1``, decode, may start anywhere).  Then every query tile
+lies inside one KV tile (``q_tile`` divides ``block_n``), so all its rows share the diagonal
+tile and the split count, and each row runs exactly the tiles and splits that decoding its
+position runs.  Since ``split_size`` is a multiple of ``block_n``, chunk boundaries at multiples
+of ``block_n`` are at tile boundaries; a prefix-cache hit must be rounded down to a multiple of
+``block_n`` too (with ``block_size`` 16 and ``block_n`` 64: to whole groups of 4 cache blocks).
+What the rule buys: equality *by construction* (the same tiles, the same splits, the same
+operations per row).  Without it, the earlier rows of a query tile that straddles a KV tile
+would run one extra, fully masked tile (``alpha = exp(0) = 1``, ``p = 0``): an exact no-op for
+finite values except for signed zeros and ``0 * inf``; a CPU experiment with chunks starting
+at ``block_n - 3`` gave the same bits, so the rule is a guarantee, not a measured necessity.
+
+``impl``:
+
+* ``"invariant"`` (default): ``split_size`` fixed by the config (512 keys on a GPU, 64 under the
+  interpreter); a sequence's split count depends on its own length only;
+* ``"variant"``: the same kernels, launched like production split-KV decode: the *number* of
+  splits comes from the occupancy, ``num_splits = max(1, 2*SMs // (num_seqs*kv_heads))``, and
+  ``split_size = ceil(seq_len / num_splits)`` (rounded up to whole tiles).  Another batch size,
+  another split, another merge: it fails the invariance check (the negative control);
+* ``"reference"``: float64 math (SDPA-style: ``softmax(q k^T * scale + causal mask) v``) on the
+  keys gathered from the cache, rounded once to q's dtype;
+* ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` on a gathered contiguous KV
+  (the peer; one call per sequence, in q's dtype).
+
+Caveat: bitwise prefill == decode holds for finite inputs; a signed zero can differ in the
+degenerate case where every probability of a diagonal tile underflows to 0 (masked keys beyond
+``p`` read the real cache in prefill and zeros in decode, and ``0 * -v = -0``).
+
+No TMA or newer Triton API: plain pointer loads, ``tl.dot`` with ``input_precision``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import checks
+from .device import DEVICE, INTERPRET
+
+import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
+import triton.language as tl  # noqa: E402
+
+from .matmul import _sm_count, from_f32, to_f32  # noqa: E402  (exact bf16 moves on the interpreter)
+
+__all__ = [
+    "IMPLS",
+    "AttnConfig",
+    "DEFAULT_CONFIG",
+    "INTERPRETER_CONFIG",
+    "default_config",
+    "new_cache",
+    "allocate_blocks",
+    "slots",
+    "write_kv",
+    "query_tile",
+    "split_plan",
+    "attention",
+    "AttnPlan",
+    "make_plan",
+    "launch",
+    "prefill",
+    "decode",
+    "gather_kv",
+]
+
+IMPLS = ("invariant", "variant", "reference", "sdpa")
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """The reduction schedule: KV tile ``block_n``, rows per program ``block_m`` (query tokens
+    times q heads per kv head), ``split_size`` keys per split (a multiple of ``block_n``)."""
+
+    block_n: int = 64
+    block_m: int = 64
+    split_size: int = 512
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_n", "block_m"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
+        if (isinstance(self.split_size, bool) or not isinstance(self.split_size, int) or self.split_size < 1
+                or self.split_size % self.block_n):
+            raise ValueError(f"split_size must be a positive multiple of block_n={self.block_n}, "
+                             f"got {self.split_size!r}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+#: Compiled on a GPU: 64-key tiles, 64-row programs, 512-key splits.
+DEFAULT_CONFIG = AttnConfig(64, 64, 512)
+#: Under the interpreter: small tiles so that short test contexts cross tile and split bounds.
+INTERPRETER_CONFIG = AttnConfig(32, 32, 64)
+
+
+def default_config() -> AttnConfig:
+    return INTERPRETER_CONFIG if INTERPRET else DEFAULT_CONFIG
+
+
+def _cfg(config) -> AttnConfig:
+    if config is None:
+        return default_config()
+    if not isinstance(config, AttnConfig):
+        raise TypeError(f"config must be None or an AttnConfig, got {type(config).__name__}")
+    return config
+
+
+def query_tile(q_heads: int, kv_heads: int, config: AttnConfig | None = None) -> tuple:
+    """``(q_tile, qpk_pad)``: tokens per program and padded q heads per kv head.  A function of
+    the head layout and the config only (never of the batch)."""
+    cfg = _cfg(config)
+    qpk_pad = triton.next_power_of_2(q_heads // kv_heads)
+    q_tile = max(1, min(cfg.block_m // qpk_pad, cfg.block_n)) if qpk_pad <= cfg.block_m else 1
+    return q_tile, qpk_pad
+
+
+def _num_sms() -> int:
+    """SMs the variant plans for (8 under the interpreter: small batches cross its thresholds)."""
+    return 8 if INTERPRET else _sm_count(torch.cuda.current_device())
+
+
+def split_plan(seq_lens, kv_heads: int, *, impl: str = "invariant", config: AttnConfig | None = None) -> list:
+    """Keys per split for each sequence (a multiple of ``block_n``).  Invariant: the config's
+    ``split_size`` for all.  Variant: ``num_splits = max(1, 2*SMs // (num_seqs*kv_heads))``,
+    ``split = ceil(ceil(seq_len / num_splits) / block_n) * block_n``: it depends on the batch."""
+    cfg = _cfg(config)
+    lens = [int(x) for x in seq_lens]
+    if impl == "invariant":
+        return [cfg.split_size] * len(lens)
+    if impl != "variant":
+        raise ValueError(f"split_plan: impl must be 'invariant' or 'variant', got {impl!r}")
+    num_splits = max(1, (2 * _num_sms()) // max(1, len(lens) * kv_heads))
+    return [max(1, triton.cdiv(triton.cdiv(n, num_splits), cfg.block_n)) * cfg.block_n for n in lens]
+
+
+# --------------------------------------------------------------------------------------------
+# The paged cache
+# --------------------------------------------------------------------------------------------
+
+def new_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16,
+              device=None) -> tuple:
+    """``(k_cache, v_cache)`` of shape ``(num_blocks, block_size, kv_heads, head_dim)``, zeros."""
+    for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("kv_heads", kv_heads),
+                    ("head_dim", head_dim)):
+        checks.positive_int(name, v)
+    if dtype not in checks.FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    dev = DEVICE if device is None else device
+    return torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev)
+
+
+def allocate_blocks(seq_lens, block_size: int, num_blocks: int, *, seed: int | None = None,
+                    device=None) -> torch.Tensor:
+    """A block table ``(num_seqs, max_blocks)`` int32 giving each sequence its own physical
+    blocks, in a seeded random order (``seed=None``: in order); unused entries are 0."""
+    need = [triton.cdiv(int(n), block_size) for n in seq_lens]
+    if sum(need) > num_blocks:
+        raise ValueError(f"seq_lens need {sum(need)} blocks of {block_size}, the cache has {num_blocks}")
+    order = torch.arange(num_blocks) if seed is None else \
+        torch.randperm(num_blocks, generator=torch.Generator().manual_seed(int(seed)))
+    table = torch.zeros((len(need), max(need + [1])), dtype=torch.int32)
+    at = 0
+    for s, n in enumerate(need):
+        table[s, :n] = order[at:at + n].to(torch.int32)
+        at += n
+    return table.to(DEVICE if device is None else device)
+
+
+def slots(block_table: torch.Tensor, seq: int, start: int, end: int, block_size: int) -> torch.Tensor:
+    """Slot mapping (int64) of positions ``start..end-1`` of sequence ``seq``."""
+    pos = torch.arange(start, end, device=block_table.device)
+    return (block_table[seq, pos // block_size].long() * block_size + pos % block_size)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_tokens, s_kt, s_kh, s_vt, s_vh, s_cslot, s_ch,
+                     BLOCK_T: tl.constexpr, KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     D_PAD: tl.constexpr):
+    """BLOCK_T tokens: copy the bits of their kv heads to their slots (integers: no rounding)."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1)[:, None, None]
+    t = t[:, None, None]
+    h = tl.arange(0, H_PAD)[None, :, None]
+    d = tl.arange(0, D_PAD)[None, None, :]
+    m = (h < KV_HEADS) & (d < HEAD_DIM) & (slot >= 0)
+    dst = slot * s_cslot + h * s_ch + d
+    tl.store(kc_ptr + dst, tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=m), mask=m)
+    tl.store(vc_ptr + dst, tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=m), mask=m)
+
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store ``key``/``value`` ``(num_tokens, kv_heads, head_dim)`` at ``slot_mapping``
+    ``(num_tokens,)`` (int64 or int32; ``-1`` skips a token) of the paged caches."""
+    checks.tensor("k_cache", k_cache, dim=4)
+    checks.tensor("v_cache", v_cache, dim=4)
+    checks.same_dtype("v_cache", v_cache, "k_cache", k_cache)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    nb, bs, hkv, d = k_cache.shape
+    for name, t in (("key", key), ("value", value)):
+        checks.tensor(name, t, dim=3, contiguous=False, nonempty=False)
+        checks.same_dtype(name, t, "k_cache", k_cache)
+        checks.same_device(name, t, "k_cache", k_cache)
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dim, got strides {t.stride()}")
+        if tuple(t.shape[1:]) != (hkv, d):
+            raise ValueError(f"{name} has {t.shape[1]} heads of dim {t.shape[2]}; the cache holds {hkv} kv heads "
+                             f"of dim {d}")
+    if value.shape[0] != key.shape[0]:
+        raise ValueError(f"value has {value.shape[0]} tokens but key has {key.shape[0]}")
+    checks.tensor("slot_mapping", slot_mapping, dtypes=(torch.int64, torch.int32), dim=1, nonempty=False)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
+    n = key.shape[0]
+    if n == 0:
+        return
+    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    if lo < -1 or hi >= nb * bs:
+        raise ValueError(f"slot_mapping holds slots in [{lo}, {hi}]; the cache has {nb * bs} slots (-1 = skip)")
+    iv = _INT_VIEW[key.dtype]
+    _write_kv_kernel[(triton.cdiv(n, 16),)](
+        key.view(iv), value.view(iv), k_cache.view(iv), v_cache.view(iv), slot_mapping.long(), n,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_T=16, KV_HEADS=hkv, H_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d, D_PAD=triton.next_power_of_2(d))
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels: partial states per split, then the fixed-order merge
+# --------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["max_splits", "q_heads", "scale", "s_bts"])
+def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_tok_ptr,
+                       split_ptr, ws_acc_ptr, ws_ml_ptr, scale, max_splits, q_heads,
+                       s_qt, s_qh, s_cb, s_cs, s_ch, s_bts,
+                       QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       D_PAD: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (query tile, kv head, split): online softmax over the split's KV tiles, in
+    increasing position order; writes fp32 (acc, m, l) for the tile's valid rows."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    tok0 = tl.load(tile_tok_ptr + tile)
+    q_lo = tl.load(qsl_ptr + seq)
+    q_hi = tl.load(qsl_ptr + seq + 1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - (q_hi - q_lo)  # position of the sequence's first new token
+
+    rows = tl.arange(0, Q_TILE * QPK_PAD)
+    tok = tok0 + rows // QPK_PAD
+    hh = rows % QPK_PAD
+    row_ok = (tok < q_hi) & (hh < QPK)
+    pos = first_pos + (tok - q_lo)
+    head = kvh * QPK + hh
+    # every valid row of the tile has the same diagonal KV tile (the chunk alignment rule)
+    last_tok = tl.minimum(tok0 + Q_TILE, q_hi) - 1
+    diag = (first_pos + (last_tok - q_lo)) // BLOCK_N
+    split_tiles = tl.load(split_ptr + seq) // BLOCK_N
+    t_lo = split * split_tiles
+    t_hi = tl.minimum(t_lo + split_tiles, diag + 1)
+    limit = tl.where(row_ok, pos + 1, 1)  # keys < limit are visible to the row
+
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = to_f32(q)
+    m = tl.full((Q_TILE * QPK_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((Q_TILE * QPK_PAD,), tl.float32)
+    acc = tl.zeros((Q_TILE * QPK_PAD, D_PAD), tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+    for t in range(t_lo, t_hi):  # KV tiles in increasing position order
+        keys = t * BLOCK_N + n_off
+        k_ok = keys < seq_len
+        blk = tl.load(bt_ptr + seq.to(tl.int64) * s_bts + keys // CACHE_BLOCK, mask=k_ok, other=0)
+        base = blk.to(tl.int64) * s_cb + (keys % CACHE_BLOCK) * s_cs + kvh * s_ch
+        kt = tl.load(kc_ptr + base[None, :] + d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = to_f32(kt)
+        if kt.dtype == tl.float32:
+            s = tl.dot(q, kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = s * scale
+        s = tl.where(keys[None, :] < limit[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if v.dtype == tl.float32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        elif UPCAST:  # interpreter: p rounded to V's dtype (as on the GPU), then exact fp32 dot
+            pv = tl.dot(to_f32(from_f32(p, v.dtype)), to_f32(v), input_precision="ieee")
+        else:
+            pv = tl.dot(from_f32(p, v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    keep = row_ok & ((rows * 0 + t_lo) < t_hi)
+    w = (tok.to(tl.int64) * q_heads + head) * max_splits + split
+    tl.store(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
+    tl.store(ws_ml_ptr + w * 2, m, mask=keep)
+    tl.store(ws_ml_ptr + w * 2 + 1, l, mask=keep)
+
+
+@triton.jit(do_not_specialize=["max_splits", "q_heads"])
+def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, tok_seq_ptr, tok_pos_ptr, split_ptr, max_splits, q_heads,
+                       s_ot, s_oh, HQ_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """Program (token): for each q head, the left fold of its split states 0, 1, 2, ... in
+    fp32 (element-wise: no reduction), then ``out = acc / l`` rounded once to out's dtype."""
+    tok = tl.program_id(0)
+    seq = tl.load(tok_seq_ptr + tok)
+    pos = tl.load(tok_pos_ptr + tok)
+    n = pos // tl.load(split_ptr + seq) + 1  # the splits a row has: ceil((pos + 1) / split)
+    h = tl.arange(0, HQ_PAD)
+    h_ok = h < q_heads
+    d = tl.arange(0, D_PAD)
+    w = (tok.to(tl.int64) * q_heads + h) * max_splits
+    m = tl.load(ws_ml_ptr + w * 2, mask=h_ok, other=0.0)
+    l = tl.load(ws_ml_ptr + w * 2 + 1, mask=h_ok, other=1.0)
+    acc = tl.load(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], mask=h_ok[:, None], other=0.0)
+    for i in range(1, n):
+        m_i = tl.load(ws_ml_ptr + (w + i) * 2, mask=h_ok, other=0.0)
+        l_i = tl.load(ws_ml_ptr + (w + i) * 2 + 1, mask=h_ok, other=1.0)
+        acc_i = tl.load(ws_acc_ptr + (w + i)[:, None] * D_PAD + d[None, :], mask=h_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, m_i)
+        a = tl.exp(m - m_new)
+        b = tl.exp(m_i - m_new)
+        l = l * a + l_i * b
+        acc = acc * a[:, None] + acc_i * b[:, None]
+        m = m_new
+    o = acc / l[:, None]
+    tl.store(out_ptr + tok.to(tl.int64) * s_ot + h[:, None] * s_oh + d[None, :],
+             from_f32(o, out_ptr.dtype.element_ty), mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Validation and metadata
+# --------------------------------------------------------------------------------------------
+
+def _validate(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, impl, out, cfg):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    checks.tensor("q", q, dim=3, contiguous=False)
+    if q.stride(2) != 1:
+        raise ValueError(f"q must have unit stride in its last dim, got strides {q.stride()}")
+    checks.tensor("k_cache", k_cache, dim=4)
+    checks.tensor("v_cache", v_cache, dim=4)
+    checks.same_dtype("k_cache", k_cache, "q", q)
+    checks.same_dtype("v_cache", v_cache, "q", q)
+    checks.same_device("k_cache", k_cache, "q", q)
+    checks.same_device("v_cache", v_cache, "q", q)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    if impl in ("invariant", "variant") and q.device.type != DEVICE.type:
+        raise ValueError(f"q must be on {DEVICE.type} for the Triton kernels, got {q.device}")
+    T, hq, d = q.shape
+    nb, bs, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"k_cache head_dim {dk} must equal q head_dim {d}")
+    if hq % hkv:
+        raise ValueError(f"q has {hq} heads, not a multiple of k_cache's {hkv} kv heads (GQA)")
+    checks.tensor("block_table", block_table, dtypes=(torch.int32,), dim=2)
+    checks.tensor("seq_lens", seq_lens, dtypes=(torch.int32,), dim=1)
+    checks.tensor("query_start_loc", query_start_loc, dtypes=(torch.int32,), dim=1)
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        checks.same_device(name, t, "q", q)
+    S = seq_lens.shape[0]
+    if block_table.shape[0] != S:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows but seq_lens has {S} sequences")
+    if query_start_loc.shape[0] != S + 1:
+        raise ValueError(f"query_start_loc must have num_seqs + 1 = {S + 1} entries, got {query_start_loc.shape[0]}")
+    lens = seq_lens.tolist()
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0 or qsl[-1] != T:
+        raise ValueError(f"query_start_loc must start at 0 and end at num_tokens={T}, got {qsl[0]}..{qsl[-1]}")
+    cap = block_table.shape[1] * bs
+    for s in range(S):
+        ql = qsl[s + 1] - qsl[s]
+        if ql < 1:
+            raise ValueError(f"query_start_loc must increase: sequence {s} has {ql} query tokens")
+        if ql > lens[s]:
+            raise ValueError(f"seq_lens[{s}]={lens[s]} is shorter than its {ql} query tokens")
+        if lens[s] > cap:
+            raise ValueError(f"seq_lens[{s}]={lens[s]} is longer than the cache can hold for it: block_table has "
+                             f"{block_table.shape[1]} blocks of {bs}")
+        start = lens[s] - ql
+        if ql > 1 and start % cfg.block_n:
+            raise ValueError(f"query_start_loc/seq_lens: sequence {s} starts a {ql}-token chunk at position {start}, "
+                             f"not a multiple of the KV tile block_n={cfg.block_n} (chunked prefill and prefix-cache "
+                             "hits must start chunks at multiples of block_n)")
+        used = block_table[s, :triton.cdiv(lens[s], bs)]
+        lo, hi = int(used.min()), int(used.max())
+        if lo < 0 or hi >= nb:
+            j = int(((used < 0) | (used >= nb)).nonzero()[0])
+            raise ValueError(f"block_table[{s}, {j}] = {int(used[j])} is out of range: the cache has {nb} blocks")
+    if out is not None:
+        checks.tensor("out", out, dtypes=(q.dtype,), dim=3, contiguous=False)
+        checks.same_device("out", out, "q", q)
+        if out.shape != q.shape:
+            raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
+        if out.stride(2) != 1:
+            raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
+    return lens, qsl
+
+
+def gather_kv(k_cache, v_cache, block_table, seq: int, length: int) -> tuple:
+    """Keys and values ``(length, kv_heads, head_dim)`` of sequence ``seq``, contiguous."""
+    bs = k_cache.shape[1]
+    pos = torch.arange(length, device=k_cache.device)
+    blk = block_table[seq, pos // bs].long()
+    return k_cache[blk, pos % bs], v_cache[blk, pos % bs]
+
+
+def _reference(q, k_cache, v_cache, block_table, lens, qsl, scale, out):
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    for s in range(len(lens)):
+        a, b = qsl[s], qsl[s + 1]
+        k, v = gather_kv(k_cache, v_cache, block_table, s, lens[s])
+        k = k.double().repeat_interleave(hq // hkv, dim=1)  # (L, Hq, D)
+        v = v.double().repeat_interleave(hq // hkv, dim=1)
+        qs = q[a:b].double()
+        pos = torch.arange(lens[s] - (b - a), lens[s], device=q.device)
+        sc = torch.einsum("thd,lhd->htl", qs, k) * scale
+        mask = torch.arange(lens[s], device=q.device)[None, :] > pos[:, None]
+        sc = sc.masked_fill(mask[None], float("-inf"))
+        out[a:b] = torch.einsum("htl,lhd->thd", torch.softmax(sc, dim=-1), v).to(q.dtype)
+    return out
+
+
+def _sdpa(q, k_cache, v_cache, block_table, lens, qsl, scale, out):
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    F = torch.nn.functional
+    for s in range(len(lens)):
+        a, b = qsl[s], qsl[s + 1]
+        k, v = gather_kv(k_cache, v_cache, block_table, s, lens[s])
+        pos = torch.arange(lens[s] - (b - a), lens[s], device=q.device)
+        mask = torch.arange(lens[s], device=q.device)[None, :] <= pos[:, None]
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k.transpose(0, 1).repeat_interleave(hq // hkv, 0),
+                                           v.transpose(0, 1).repeat_interleave(hq // hkv, 0), attn_mask=mask,
+                                           scale=scale)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Public ops
+# --------------------------------------------------------------------------------------------
+
+def attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *, scale=None, impl="invariant",
+              config=None, out=None) -> torch.Tensor:
+    """Causal GQA attention of a varlen batch over the paged cache; returns ``out``
+    ``(num_tokens, q_heads, head_dim)`` in q's dtype.  See the module docstring for the
+    arguments, the reduction schedule and the chunk alignment rule."""
+    cfg = _cfg(config)
+    lens, qsl = _validate(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, impl, out, cfg)
+    T, hq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else checks.positive_float("scale", scale)
+    if out is None:
+        out = torch.empty_like(q)
+    if impl == "reference":
+        return _reference(q, k_cache, v_cache, block_table, lens, qsl, scale, out)
+    if impl == "sdpa":
+        return _sdpa(q, k_cache, v_cache, block_table, lens, qsl, scale, out)
+    return launch(make_plan(q, hkv, lens, qsl, impl=impl, config=cfg), q, k_cache, v_cache, block_table,
+                  seq_lens, query_start_loc, scale, out)
+
+
+@dataclass
+class AttnPlan:
+    """Everything a launch needs besides the tensors: built on the host from the sequence
+    lengths (:func:`make_plan`), so that :func:`launch` does no host work (CUDA graphs)."""
+
+    config: AttnConfig
+    q_tile: int
+    qpk_pad: int
+    max_splits: int
+    split: list
+    tile_seq: torch.Tensor
+    tile_tok: torch.Tensor
+    tok_seq: torch.Tensor
+    tok_pos: torch.Tensor
+    split_t: torch.Tensor
+    ws_acc: torch.Tensor
+    ws_ml: torch.Tensor
+
+
+def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: str = "invariant",
+              config: AttnConfig | None = None) -> AttnPlan:
+    """Query tiles, per-token (sequence, position), split sizes and the fp32 workspace of a
+    launch (``seq_lens``/``query_start_loc`` as Python lists; not validated here)."""
+    cfg = _cfg(config)
+    T, hq, d = q.shape
+    q_tile, qpk_pad = query_tile(hq, kv_heads, cfg)
+    split = split_plan(seq_lens, kv_heads, impl=impl, config=cfg)
+    tile_seq, tile_tok, tok_seq, tok_pos = [], [], [], []
+    for s in range(len(seq_lens)):
+        a, b = query_start_loc[s], query_start_loc[s + 1]
+        for t0 in range(a, b, q_tile):
+            tile_seq.append(s)
+            tile_tok.append(t0)
+        tok_seq += [s] * (b - a)
+        tok_pos += list(range(seq_lens[s] - (b - a), seq_lens[s]))
+    max_splits = max(triton.cdiv(n, sp) for n, sp in zip(seq_lens, split))
+    i32 = dict(dtype=torch.int32, device=q.device)
+    d_pad = max(16, triton.next_power_of_2(d))
+    return AttnPlan(cfg, q_tile, qpk_pad, max_splits, split,
+                    torch.tensor(tile_seq, **i32), torch.tensor(tile_tok, **i32), torch.tensor(tok_seq, **i32),
+                    torch.tensor(tok_pos, **i32), torch.tensor(split, **i32),
+                    torch.empty((T * hq * max_splits, d_pad), dtype=torch.float32, device=q.device),
+                    torch.empty((T * hq * max_splits, 2), dtype=torch.float32, device=q.device))
+
+
+def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out):
+    """The two kernel launches of :func:`attention` for a prepared plan (no validation, no host
+    synchronisation: the benchmark times this, and it can be captured in a CUDA graph)."""
+    cfg = plan.config
+    T, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    d_pad = plan.ws_acc.shape[1]
+    _attn_split_kernel[(plan.tile_seq.shape[0], hkv, plan.max_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, plan.tile_seq, plan.tile_tok, plan.split_t,
+        plan.ws_acc, plan.ws_ml, scale, plan.max_splits, hq,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=plan.q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
+        D_PAD=d_pad, UPCAST=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _attn_merge_kernel[(T,)](plan.ws_acc, plan.ws_ml, out, plan.tok_seq, plan.tok_pos, plan.split_t,
+                             plan.max_splits, hq, out.stride(0), out.stride(1), HQ_PAD=triton.next_power_of_2(hq),
+                             HEAD_DIM=d, D_PAD=d_pad, num_warps=4)
+    return out
+
+
+prefill = attention
+
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, impl="invariant", config=None,
+           out=None) -> torch.Tensor:
+    """One new token per sequence: ``q`` ``(num_seqs, q_heads, head_dim)``, the token of
+    sequence ``s`` at position ``seq_lens[s] - 1`` (its key already written to the cache)."""
+    checks.tensor("q", q, dim=3, contiguous=False)
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return attention(q, k_cache, v_cache, block_table, seq_lens, qsl, scale=scale, impl=impl, config=config,
+                     out=out)

@@ -1,0 +1,208 @@
+"""Attention's GPU measurements (issue 6): the four consistency properties at production head
+shapes, and decode/prefill timings against SDPA.  Each function returns ``(rows, checks)`` in
+the shape of :mod:`kernels.results`, to be called by ``python -m kernels.gpu_run``.
+
+Shapes: head dim 128, 32 q heads over 8 kv heads, cache blocks of 16, bf16 (fp32 for the
+negative control too); the kernels run with :data:`kernels.attention.DEFAULT_CONFIG`
+(64-key tiles, 512-key splits).  Chunk boundaries are multiples of its ``block_n``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import attention as A
+from .bench import median_us
+from .harness import bits, bitwise_equal
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+
+
+class _Paged:
+    """A paged cache on the GPU with shuffled blocks; sequences get blocks on demand."""
+
+    def __init__(self, tokens: int, dtype, seed: int = 0):
+        nb = tokens // BS + 64
+        self.k, self.v = A.new_cache(nb, BS, HKV, D, dtype, device="cuda")
+        self.free = torch.randperm(nb, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables = {}
+
+    def write(self, name, k, v, start, shared=None):
+        t = self.tables.setdefault(name, list(shared or []))
+        n = start + k.shape[0]
+        while len(t) * BS < n:
+            t.append(self.free.pop())
+        tt = torch.tensor(t, dtype=torch.int32, device="cuda")
+        pos = torch.arange(start, n, device="cuda")
+        A.write_kv(k, v, self.k, self.v, tt[pos // BS].long() * BS + pos % BS)
+
+    def args(self, steps):
+        """steps [(name, q, seq_len)] -> (q, block_table, seq_lens, query_start_loc)."""
+        width = max(len(self.tables[n]) for n, _, _ in steps)
+        bt = torch.zeros((len(steps), width), dtype=torch.int32)
+        for i, (n, _, _) in enumerate(steps):
+            bt[i, :len(self.tables[n])] = torch.tensor(self.tables[n], dtype=torch.int32)
+        lens = torch.tensor([s[2] for s in steps], dtype=torch.int32)
+        qsl = torch.tensor([0] + [s[1].shape[0] for s in steps]).cumsum(0).to(torch.int32)
+        return torch.cat([s[1] for s in steps]), bt.cuda(), lens.cuda(), qsl.cuda()
+
+    def run(self, steps, impl="invariant"):
+        q, bt, lens, qsl = self.args(steps)
+        o = A.attention(q, self.k, self.v, bt, lens, qsl, impl=impl)
+        return list(o.split([s[1].shape[0] for s in steps]))
+
+
+def _seq(n, dtype, gen):
+    return (torch.randn((n, HQ, D), generator=gen, device="cuda").to(dtype),
+            torch.randn((n, HKV, D), generator=gen, device="cuda").to(dtype),
+            torch.randn((n, HKV, D), generator=gen, device="cuda").to(dtype))
+
+
+def consistency(quick: bool) -> tuple:
+    """(a) decode rows alone == in a batch (and the variant split-KV caught by the same check),
+    (b) chunked == one-chunk prefill, (c) prefix-cache hit == recompute, (d) prefill == decode."""
+    cfg = A.default_config()
+    bn = cfg.block_n
+    rows, checks = [], []
+    top = 8192 if quick else 32768
+    lens = [top, 1, 513, 1000, 4097, 2 * cfg.split_size, bn - 1, top // 2 + 3] * 8  # 64 sequences
+    for dtype in (torch.bfloat16, torch.float32):
+        dn = str(dtype).replace("torch.", "")
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        data = [_seq(n, dtype, gen) for n in lens]
+        differs = {}
+        for impl in ("invariant", "variant"):
+            alone_cache, batch_cache = _Paged(sum(lens), dtype, seed=2), _Paged(sum(lens), dtype, seed=3)
+            for i, (q, k, v) in enumerate(data):
+                batch_cache.write(i, k, v, 0)
+            for bs in (1, 8, 64):
+                outs = batch_cache.run([(i, data[i][0][-1:], lens[i]) for i in range(bs)], impl=impl)
+                bad = []
+                for i in sorted({0, bs // 2, bs - 1}):
+                    if i not in alone_cache.tables:
+                        alone_cache.write(i, data[i][1], data[i][2], 0)
+                    alone = alone_cache.run([(i, data[i][0][-1:], lens[i])], impl=impl)[0]
+                    if not bitwise_equal(outs[i], alone):
+                        bad.append(i)
+                differs[(impl, bs)] = bad
+                rows.append({"op": "attention_decode", "impl": f"kit-{impl}", "dtype": dn, "batch": bs,
+                             "rows_checked": len({0, bs // 2, bs - 1}), "rows_differing": len(bad),
+                             "split_plan_row0": A.split_plan(lens[:bs], HKV, impl=impl, config=cfg)[0]})
+        checks.append({"name": f"(a) invariant decode: rows alone == rows in batches of 1/8/64 ({dn}, "
+                               f"contexts to {top})",
+                       "passed": all(not differs[("invariant", b)] for b in (1, 8, 64))})
+        checks.append({"name": f"(a) variant split-KV decode: the same check finds a difference ({dn})",
+                       "passed": any(differs[("variant", b)] for b in (1, 8, 64)),
+                       "rows_differing": {b: differs[("variant", b)] for b in (1, 8, 64)}})
+
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    n = 2048 + 2 * cfg.split_size + 37 if quick else 8192 + 37
+    q, k, v = _seq(n, dtype, gen)
+    c = _Paged(4 * n, dtype, seed=5)
+    c.write("s", k, v, 0)
+    pre = c.run([("s", q, n)])[0]
+    # (b) chunks at multiples of block_n
+    c2 = _Paged(2 * n, dtype, seed=6)
+    cuts = [0, bn, cfg.split_size + bn, 5 * bn * 8, n]
+    got = []
+    for a, b in zip(cuts, cuts[1:]):
+        c2.write("s", k[a:b], v[a:b], a)
+        got.append(c2.run([("s", q[a:b], b)])[0])
+    checks.append({"name": f"(b) chunked prefill == one chunk (bf16, n={n}, cuts {cuts})",
+                   "passed": bitwise_equal(torch.cat(got), pre)})
+    # (c) prefix cache: a second sequence reuses the first's blocks for its first p keys
+    p = (n // 2) // bn * bn
+    qb, kb, vb = _seq(n - p, dtype, gen)
+    c.write("b", kb, vb, p, shared=c.tables["s"][:p // BS])
+    hit = c.run([("b", qb, n)])[0]
+    c3 = _Paged(2 * n, dtype, seed=7)
+    c3.write("b", torch.cat([k[:p], kb]), torch.cat([v[:p], vb]), 0)
+    recomputed = c3.run([("b", torch.cat([q[:p], qb]), n)])[0][p:]
+    checks.append({"name": f"(c) prefix-cache hit ({p} keys) == recompute (bf16)",
+                   "passed": bitwise_equal(hit, recomputed)})
+    # (d) every position decoded (one-token sequences sharing the blocks) == prefill
+    for t in range(n):
+        c.tables[("d", t)] = c.tables["s"]
+    dec = torch.cat(c.run([(("d", t), q[t:t + 1], t + 1) for t in range(n)]))
+    bad = (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
+    checks.append({"name": f"(d) prefill == decode at every position (bf16, n={n})", "passed": not bad,
+                   "positions_differing": bad[:50]})
+    ref = c.run([("s", q[-256:], n)], impl="reference")[0]
+    err = (pre[-256:].double() - ref.double()).abs().max().item()
+    sd = c.run([("s", q[-256:], n)], impl="sdpa")[0]
+    checks.append({"name": "accuracy vs float64 (informational)", "passed": True, "informational": True,
+                   "max_abs_err_kit": err, "max_abs_err_sdpa": (sd.double() - ref.double()).abs().max().item()})
+    return rows, checks
+
+
+def _time(fn):
+    try:
+        return median_us(fn, warmup=5, reps=50, graph=True), True
+    except Exception:  # a capture that fails: time plain launches instead
+        return median_us(fn, warmup=5, reps=50), False
+
+
+def bench(quick: bool) -> tuple:
+    """Decode (batch 1/8/64 x context 1k/8k/32k) and prefill (1k/4k/8k): the kit's invariant
+    and variant kernels (planned once: the timed call is the two launches) vs SDPA on a
+    gathered contiguous KV (enable_gqa; the gather is not timed).  bf16."""
+    F = torch.nn.functional
+    cfg = A.default_config()
+    dtype = torch.bfloat16
+    rows, checks = [], []
+    batches = (1, 8, 64)
+    ctxs = (1024, 8192) if quick else (1024, 8192, 32768)
+    for L in ctxs:
+        for B in batches:
+            gen = torch.Generator(device="cuda").manual_seed(B * 100003 + L)
+            c = _Paged(B * L, dtype, seed=B)
+            for i in range(B):
+                c.write(i, torch.randn((L, HKV, D), generator=gen, device="cuda").to(dtype),
+                        torch.randn((L, HKV, D), generator=gen, device="cuda").to(dtype), 0)
+            q = torch.randn((B, HQ, D), generator=gen, device="cuda").to(dtype)
+            _, bt, lens, qsl = c.args([(i, q[i:i + 1], L) for i in range(B)])
+            out = torch.empty_like(q)
+            scale = D ** -0.5
+            cell = {}
+            for impl in ("invariant", "variant"):
+                plan = A.make_plan(q, HKV, [L] * B, list(range(B + 1)), impl=impl, config=cfg)
+                t, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out))
+                cell[impl] = t["median_us"]
+                rows.append({"op": "attention_decode", "impl": f"kit-{impl}", "dtype": "bfloat16", "batch": B,
+                             "context": L, "splits": plan.max_splits, **t, "cuda_graph": g})
+            ks = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[0] for i in range(B)]).transpose(1, 2).contiguous()
+            vs = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[1] for i in range(B)]).transpose(1, 2).contiguous()
+            q4 = q.unsqueeze(2)
+            t, g = _time(lambda: F.scaled_dot_product_attention(q4, ks, vs, scale=scale, enable_gqa=True))
+            cell["sdpa"] = t["median_us"]
+            rows.append({"op": "attention_decode", "impl": "sdpa-gathered", "dtype": "bfloat16", "batch": B,
+                         "context": L, **t, "cuda_graph": g})
+            for r in rows[-3:]:
+                r["ratio_invariant_over_sdpa"] = cell["invariant"] / cell["sdpa"]
+                r["ratio_invariant_over_variant"] = cell["invariant"] / cell["variant"]
+            print(f"  decode B={B:<3} L={L:<6} inv {cell['invariant']:.1f}us var {cell['variant']:.1f}us "
+                  f"sdpa {cell['sdpa']:.1f}us", flush=True)
+            del c, ks, vs
+    for n in ((1024, 4096) if quick else (1024, 4096, 8192)):
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        c = _Paged(n, dtype, seed=n)
+        k = torch.randn((n, HKV, D), generator=gen, device="cuda").to(dtype)
+        v = torch.randn((n, HKV, D), generator=gen, device="cuda").to(dtype)
+        c.write(0, k, v, 0)
+        q = torch.randn((n, HQ, D), generator=gen, device="cuda").to(dtype)
+        _, bt, lens, qsl = c.args([(0, q, n)])
+        out = torch.empty_like(q)
+        scale = D ** -0.5
+        plan = A.make_plan(q, HKV, [n], [0, n], config=cfg)
+        t_inv, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out))
+        rows.append({"op": "attention_prefill", "impl": "kit-invariant", "dtype": "bfloat16", "tokens": n,
+                     **t_inv, "cuda_graph": g})
+        q4, k4, v4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        t_sd, g = _time(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
+                                                               enable_gqa=True))
+        rows.append({"op": "attention_prefill", "impl": "sdpa", "dtype": "bfloat16", "tokens": n, **t_sd,
+                     "cuda_graph": g, "ratio_invariant_over_sdpa": t_inv["median_us"] / t_sd["median_us"]})
+        print(f"  prefill n={n}: inv {t_inv['median_us']:.1f}us sdpa {t_sd['median_us']:.1f}us", flush=True)
+    checks.append({"name": "attention benchmark ran (timings are data, not pass/fail)", "passed": True,
+                   "informational": True})
+    return rows, checks

@@ -1,0 +1,321 @@
+"""Attention over a paged KV cache: a token's output bits do not depend on (a) the batch around
+it, (b) how its prompt was chunked, (c) whether its prefix came from the prefix cache, (d)
+whether it was computed by prefill or by decode; the split-KV variant (splits chosen from the
+batch) fails (a); all agree with a float64 reference; outputs stay inside guard regions; bad
+input is refused naming the argument.
+
+Sizes follow the config (``A.default_config()``: 32-key tiles and 64-key splits under the
+interpreter, 64/512 on a GPU), so the same tests cross tile, split and cache-block (16)
+boundaries on both; head dim 32, 4 q heads over 2 kv heads.
+"""
+import pytest
+import torch
+
+import kernels
+from kernels import attention as A
+from kernels.guard import Guarded
+from kernels.harness import bitwise_equal, check_invariance, seeded_normal
+
+DEV = kernels.DEVICE
+CFG = A.default_config()
+BN, SPLIT = CFG.block_n, CFG.split_size
+HQ, HKV, D, BS = 4, 2, 32, 16
+#: context lengths of the rows of a decode batch: across 1, a tile, a split, several splits
+LENS = [3 * SPLIT + 44, 1, 3 * SPLIT + 1, 2 * SPLIT, BN - 1, 4 * SPLIT - 7, BN + 1, 2 * SPLIT + 9]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def _name(dt):
+    return str(dt).replace("torch.", "")
+
+
+def _seq(seed, r, n, dtype):
+    """Queries, keys and values of positions 0..n-1 of sequence ``r`` (the same on every machine
+    and every batch: a row's data depends only on (seed, r))."""
+    g = seed * 1_000_003 + r * 7919
+    q = seeded_normal((n, HQ, D), g + 1, dtype=dtype, device=DEV)
+    k = seeded_normal((n, HKV, D), g + 2, dtype=dtype, device=DEV)
+    v = seeded_normal((n, HKV, D), g + 3, dtype=dtype, device=DEV)
+    return q, k, v
+
+
+class Cache:
+    """A paged cache with shuffled blocks, and helpers to run steps of sequences on it."""
+
+    def __init__(self, dtype, num_blocks=256, seed=0):
+        self.k, self.v = A.new_cache(num_blocks, BS, HKV, D, dtype)
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables = {}
+
+    def table(self, name, n, shared=None):
+        """Block list of sequence ``name`` long enough for ``n`` keys (``shared``: a list of
+        blocks to reuse for its first keys, the prefix-cache hit)."""
+        t = self.tables.setdefault(name, list(shared or []))
+        while len(t) * BS < n:
+            t.append(self.free.pop())
+        return t
+
+    def write(self, name, k, v, start):
+        n = start + k.shape[0]
+        t = torch.tensor(self.table(name, n), dtype=torch.int32, device=DEV)
+        pos = torch.arange(start, n, device=DEV)
+        A.write_kv(k, v, self.k, self.v, t[pos // BS].long() * BS + pos % BS)
+
+    def run(self, steps, impl="invariant", out=None):
+        """steps: [(name, q of the new tokens, seq_len after the step)]; returns the outputs."""
+        width = max(len(self.tables[n]) for n, _, _ in steps)
+        bt = torch.zeros((len(steps), width), dtype=torch.int32)
+        for i, (n, _, _) in enumerate(steps):
+            bt[i, :len(self.tables[n])] = torch.tensor(self.tables[n], dtype=torch.int32)
+        q = torch.cat([s[1] for s in steps])
+        lens = torch.tensor([s[2] for s in steps], dtype=torch.int32, device=DEV)
+        qsl = torch.tensor([0] + [s[1].shape[0] for s in steps], dtype=torch.int32).cumsum(0).to(torch.int32)
+        o = A.attention(q, self.k, self.v, bt.to(DEV), lens, qsl.to(DEV), impl=impl, out=out)
+        return list(o.split([s[1].shape[0] for s in steps]))
+
+
+def _decode_op(dtype, impl):
+    """(f, make_batch) for the harness: row r = one sequence's context (keys, values) and the
+    query of its last position; f builds a fresh cache (blocks shuffled by the batch size),
+    writes the keys and decodes the whole batch at once."""
+    lmax = max(LENS)
+
+    def make(bs, seed=0):
+        qs, ks, vs, ls = [], [], [], []
+        for r in range(bs):
+            n = LENS[r % len(LENS)]
+            q, k, v = _seq(seed, r, n, dtype)
+            pad = torch.zeros((lmax - n, HKV, D), dtype=dtype, device=DEV)
+            qs.append(q[-1])
+            ks.append(torch.cat([k, pad]))
+            vs.append(torch.cat([v, pad]))
+            ls.append(n)
+        return torch.stack(qs), torch.stack(ks), torch.stack(vs), torch.tensor(ls, device=DEV)
+
+    def f(q, k, v, lens):
+        c = Cache(dtype, seed=q.shape[0])
+        steps = []
+        for i in range(q.shape[0]):
+            n = int(lens[i])
+            c.write(i, k[i, :n], v[i, :n], 0)
+            steps.append((i, q[i:i + 1], n))
+        return torch.cat(c.run(steps, impl=impl))
+
+    return f, make
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) batch composition
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_a_decode_row_alone_equals_row_in_batch(dtype):
+    f, make = _decode_op(dtype, "invariant")
+    report = check_invariance(f, make, [1, 3, 8])
+    assert report.passed, report.summary()
+
+
+def test_a_variant_split_kv_fails_the_same_check():
+    """Negative control: the split count comes from the batch (2*SMs // (batch*kv_heads)), so a
+    long row's split boundaries, and its merge, change with the batch size."""
+    f, make = _decode_op(torch.float32, "variant")
+    plans = {bs: A.split_plan([LENS[0]] * bs, HKV, impl="variant", config=CFG)[0] for bs in (1, 2, 8)}
+    assert len(set(plans.values())) > 1, plans
+    report = check_invariance(f, make, [1, 2, 8], positions=[0], stop_at_first=True)
+    assert not report.passed, "the variant split-KV decode was expected to depend on the batch"
+    assert report.rows_differing >= 1
+
+
+def test_a_prefill_chunk_in_a_mixed_batch():
+    """A prompt prefilled alone == prefilled beside another prompt and a decode step."""
+    dt = torch.float32
+    n = BN * 3 + 5
+    q, k, v = _seq(3, 0, n, dt)
+    alone = Cache(dt, seed=1)
+    alone.write("x", k, v, 0)
+    ref = alone.run([("x", q, n)])[0]
+    c = Cache(dt, seed=2)
+    qy, ky, vy = _seq(3, 1, SPLIT + 7, dt)
+    qz, kz, vz = _seq(3, 2, BN + 3, dt)
+    c.write("y", ky, vy, 0)
+    c.write("x", k, v, 0)
+    c.write("z", kz, vz, 0)
+    outs = c.run([("y", qy[-1:], SPLIT + 7), ("x", q, n), ("z", qz, BN + 3)])
+    assert bitwise_equal(outs[1], ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) chunked prefill, (c) prefix cache, (d) prefill == decode
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_b_chunked_prefill_equals_one_chunk(dtype):
+    n = 2 * SPLIT + BN + 5
+    q, k, v = _seq(5, 0, n, dtype)
+    one = Cache(dtype, seed=3)
+    one.write("s", k, v, 0)
+    ref = one.run([("s", q, n)])[0]
+    c = Cache(dtype, seed=4)
+    got = []
+    for a, b in ((0, BN), (BN, SPLIT + BN), (SPLIT + BN, n)):  # chunk starts at multiples of block_n
+        c.write("s", k[a:b], v[a:b], a)
+        got.append(c.run([("s", q[a:b], b)])[0])
+    assert bitwise_equal(torch.cat(got), ref)
+
+
+def test_b_misaligned_chunk_is_refused():
+    dt = torch.float32
+    q, k, v = _seq(5, 0, BN + 8, dt)
+    c = Cache(dt)
+    c.write("s", k, v, 0)
+    with pytest.raises(ValueError, match="query_start_loc/seq_lens.*block_n"):
+        c.run([("s", q[BN - 3:], BN + 8)])  # a chunk starting at BN - 3
+    c.run([("s", q[-1:], BN + 8)])  # a single token (decode) may be anywhere
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=_name)
+def test_c_prefix_cache_hit_equals_recompute(dtype):
+    """Sequence B shares A's first P keys (P a multiple of block_n): B computed from the cached
+    blocks of A (only its own tokens run) == B prefilled from scratch, bitwise."""
+    p_len, own = SPLIT + BN, BN + 11
+    qa, ka, va = _seq(7, 0, p_len + 20, dtype)
+    qb, kb, vb = _seq(7, 1, p_len + own, dtype)
+    kb[:p_len], vb[:p_len] = ka[:p_len], va[:p_len]  # the shared prefix (same tokens -> same K/V)
+    qb[:p_len] = qa[:p_len]
+    c = Cache(dtype, seed=5)
+    c.write("a", ka, va, 0)
+    c.run([("a", qa, p_len + 20)])
+    hit = c.table("b", p_len + own, shared=c.tables["a"][:p_len // BS])
+    assert hit[:p_len // BS] == c.tables["a"][:p_len // BS]
+    c.write("b", kb[p_len:], vb[p_len:], p_len)
+    cached = c.run([("b", qb[p_len:], p_len + own)])[0]
+    fresh = Cache(dtype, seed=6)
+    fresh.write("b", kb, vb, 0)
+    recomputed = fresh.run([("b", qb, p_len + own)])[0]
+    assert bitwise_equal(cached, recomputed[p_len:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_name)
+def test_d_prefill_equals_decode_at_every_position(dtype):
+    """Prefill of n tokens; then positions t decoded (as one-token sequences sharing the blocks,
+    seq_len = t + 1, one launch; every position for fp32, every 5th and the boundaries for
+    16-bit) and a few positions decoded alone: the same bits."""
+    n = 2 * SPLIT + BN + 3
+    q, k, v = _seq(11, 0, n, dtype)
+    c = Cache(dtype, seed=7)
+    c.write("s", k, v, 0)
+    pre = c.run([("s", q, n)])[0]
+    edges = {0, BN - 1, BN, SPLIT - 1, SPLIT, SPLIT + 1, 2 * SPLIT, n - 1}
+    ts = list(range(n)) if dtype == torch.float32 else sorted(edges | set(range(0, n, 5)))
+    for t in ts:
+        c.tables[("d", t)] = c.tables["s"]
+    dec = torch.cat(c.run([(("d", t), q[t:t + 1], t + 1) for t in ts]))
+    bad = [t for i, t in enumerate(ts) if not bitwise_equal(dec[i], pre[t])]
+    assert not bad, f"positions where decode differs from prefill: {bad}"
+    for t in sorted({0, BN, SPLIT + 1, n - 1}):
+        one = c.run([(("d", t), q[t:t + 1], t + 1)])[0]
+        assert bitwise_equal(one[0], pre[t]), t
+
+
+# ---------------------------------------------------------------------------------------------
+# accuracy, guards, bad input
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_name)
+def test_accuracy_vs_float64_and_sdpa(dtype):
+    c = Cache(dtype, seed=8)
+    steps = []
+    for r, (n, ql) in enumerate([(SPLIT + 9, 1), (2 * SPLIT + 3, 2 * SPLIT + 3), (3 * BN, BN), (5, 5)]):
+        q, k, v = _seq(13, r, n, dtype)
+        c.write(r, k, v, 0)
+        steps.append((r, q[n - ql:], n))
+    for impl in ("invariant", "variant", "sdpa"):
+        got, ref = torch.cat(c.run(steps, impl=impl)), torch.cat(c.run(steps, impl="reference"))
+        err = (got.double() - ref.double()).abs().max().item()
+        assert err <= TOL[dtype], (impl, err)
+
+
+@pytest.mark.parametrize("impl", ["invariant", "variant"])
+def test_guards_every_element_written_nothing_else(impl):
+    dt = torch.bfloat16
+    gk, gv = Guarded((64, BS, HKV, D), dt, DEV), Guarded((64, BS, HKV, D), dt, DEV)
+    c = Cache(dt, num_blocks=64, seed=9)
+    c.k, c.v = gk.tensor, gv.tensor
+    steps = []
+    for r, (n, ql) in enumerate([(SPLIT + BN + 3, SPLIT + BN + 3), (2 * SPLIT + 1, 1), (BN + 2, 2)]):
+        q, k, v = _seq(17, r, n, dt)
+        if n > ql:
+            c.write(r, k[:n - ql], v[:n - ql], 0)
+        c.write(r, k[n - ql:], v[n - ql:], n - ql)
+        steps.append((r, q[n - ql:], n))
+    gk.check()
+    gv.check()
+    T = sum(s[1].shape[0] for s in steps)
+    g = Guarded((T, HQ, D), dt, DEV)
+    c.run(steps, impl=impl, out=g.tensor)
+    g.check()
+    assert g.unwritten() == 0
+
+
+def test_write_kv_copies_bits_and_skips_minus_one():
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        k, v = A.new_cache(4, BS, HKV, D, dt)
+        key = seeded_normal((3, HKV, D), 1, dtype=dt, device=DEV)
+        val = seeded_normal((3, HKV, D), 2, dtype=dt, device=DEV)
+        A.write_kv(key, val, k, v, torch.tensor([5, -1, 63], device=DEV))
+        assert bitwise_equal(k.view(-1, HKV, D)[5], key[0]) and bitwise_equal(v.view(-1, HKV, D)[63], val[2])
+        assert int((k != 0).sum()) == int((key[[0, 2]] != 0).sum())
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    dt = torch.float32
+    k, v = A.new_cache(8, BS, HKV, D, dt)
+    q = torch.zeros((1, HQ, D), dtype=dt, device=DEV)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=DEV)
+    ln = torch.tensor([20], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 9"):
+        A.decode(q, k, v, torch.tensor([[0, 9]], dtype=torch.int32, device=DEV), ln)
+    with pytest.raises(ValueError, match="q has 3 heads"):
+        A.decode(torch.zeros((1, 3, D), dtype=dt, device=DEV), k, v, bt, ln)
+    with pytest.raises(ValueError, match="head_dim"):
+        A.decode(torch.zeros((1, HQ, D + 1), dtype=dt, device=DEV), k, v, bt, ln)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=33 is longer"):
+        A.decode(q, k, v, bt, torch.tensor([33], dtype=torch.int32, device=DEV))
+    with pytest.raises(TypeError, match="k_cache"):
+        A.decode(q, k.half(), v, bt, ln)
+    with pytest.raises(TypeError, match="seq_lens"):
+        A.decode(q, k, v, bt, ln.long())
+    with pytest.raises(ValueError, match="block_table has 1 rows"):
+        A.decode(torch.zeros((2, HQ, D), dtype=dt, device=DEV), k, v, bt, torch.tensor([3, 4], dtype=torch.int32,
+                                                                                        device=DEV))
+    with pytest.raises(ValueError, match="impl"):
+        A.decode(q, k, v, bt, ln, impl="fast")
+    with pytest.raises(ValueError, match="split_size"):
+        A.AttnConfig(32, 32, 48)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        A.write_kv(q[:, :HKV], q[:, :HKV], k, v, torch.tensor([8 * BS], device=DEV))
+    with pytest.raises(ValueError, match="key has"):
+        A.write_kv(q, q, k, v, torch.tensor([0], device=DEV))
+    with pytest.raises(ValueError, match="out must have shape"):
+        A.decode(q, k, v, bt, ln, out=torch.zeros((2, HQ, D), dtype=dt, device=DEV))
+
+
+def test_split_plan_depends_on_the_batch_only_for_the_variant():
+    n = 4 * SPLIT + 44
+    assert {A.split_plan([n] * bs, HKV, config=CFG)[0] for bs in (1, 2, 4, 8)} == {SPLIT}
+    assert len({A.split_plan([n] * bs, HKV, impl="variant", config=CFG)[0] for bs in (1, 2, 4, 8)}) > 1
+
+
+def test_attention_bench_imports():
+    from kernels import attention_bench
+
+    assert callable(attention_bench.consistency) and callable(attention_bench.bench)
+
+
+@pytest.mark.gpu
+def test_gpu_consistency_quick():
+    from kernels import attention_bench
+
+    rows, results = attention_bench.consistency(quick=True)
+    bad = [c["name"] for c in results if not c["passed"]]
+    assert not bad, bad
