@@ -144,6 +144,9 @@ PARTS = {
     "moe_invariance": _from("moe_bench", "invariance"),
     "moe_loads": _from("moe_bench", "loads"),
     "moe_bench": _from("moe_bench", "bench"),
+    # issue 6 (written on CPU, not yet run on a GPU):
+    "attention_consistency": _from("attention_bench", "consistency"),
+    "attention_bench": _from("attention_bench", "bench"),
 }
 
 
