@@ -1,0 +1,342 @@
+"""A small Qwen3-style decoder (dense or MoE) built on the kit's kernels.
+
+Every reduction of a forward pass goes through a kit kernel, all of them given one switch,
+``impl="variant"`` or ``impl="invariant"``:
+
+* RMSNorm (``input_layernorm``, the per-head ``q_norm`` / ``k_norm``, the final ``norm``) and the
+  fused residual add + RMSNorm (``post_attention_layernorm`` and the next layer's
+  ``input_layernorm``): :mod:`kernels.rms_norm`;
+* the projections (fused QKV, ``o_proj``, fused gate/up, ``down_proj``, ``lm_head``):
+  :func:`kernels.matmul.linear`;
+* causal GQA attention over a paged KV cache (prefill, decode and mixed varlen steps):
+  :mod:`kernels.attention`;
+* the MoE block (router + experts): :func:`kernels.moe.fused_moe`.
+
+What stays plain torch is row-local and has no reduction: the embedding lookup (a gather), RoPE
+(``cos``/``sin`` are read from a table computed once for every position, so no transcendental
+is evaluated per batch; then elementwise ``*`` and ``+``), SiLU-and-mul of the dense MLP, and the
+final ``log_softmax`` in fp32 over the vocabulary (one row at a time; vocab-sized rows).
+
+Weights are random, from a fixed seed, with :func:`kernels.harness.seeded_normal` (the same bits
+on every machine), named like Hugging Face's Qwen3 / Qwen3-MoE checkpoints so that
+:meth:`Qwen3Model.save_pretrained` writes a folder (``model.safetensors`` + ``config.json``) that
+vLLM / transformers can load as ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import attention as A
+from . import moe as MOE
+from . import rms_norm as RN
+from .device import DEVICE
+from .harness import seeded_normal
+from .matmul import linear
+
+__all__ = ["IMPLS", "FAMILIES", "resolve_impl", "Qwen3Config", "StepBatch", "Qwen3Model", "param_names",
+           "random_weights"]
+
+IMPLS = ("invariant", "variant")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Qwen3Config:
+    """The model's shape, with Hugging Face's key names.  ``num_experts = 0``: dense (SwiGLU MLP);
+    ``num_experts > 0``: every layer's MLP is a MoE (Qwen3-MoE, no shared expert)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 1024
+    torch_dtype: str = "float32"
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = True
+    seed: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.torch_dtype]
+
+    def hf_config(self) -> dict:
+        """The ``config.json`` of a Hugging Face checkpoint of this model."""
+        c = {
+            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.num_hidden_layers,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "torch_dtype": self.torch_dtype,
+            "kit_seed": self.seed,
+        }
+        if self.is_moe:
+            c.update({"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                      "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+                      "router_aux_loss_coef": 0.001})
+        return c
+
+    @classmethod
+    def from_hf_config(cls, c: dict) -> "Qwen3Config":
+        keys = {f for f in cls.__dataclass_fields__}
+        kw = {k: v for k, v in c.items() if k in keys}
+        if "kit_seed" in c:
+            kw["seed"] = c["kit_seed"]
+        if "Qwen3MoeForCausalLM" not in c.get("architectures", []):
+            kw["num_experts"] = 0
+        return cls(**kw)
+
+
+def param_names(cfg: Qwen3Config) -> list:
+    """``[(hf_name, shape)]`` of every parameter, in a fixed order."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    out = [("model.embed_tokens.weight", (V, H))]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (H,)),
+                (p + "self_attn.q_proj.weight", (hq * d, H)),
+                (p + "self_attn.k_proj.weight", (hkv * d, H)),
+                (p + "self_attn.v_proj.weight", (hkv * d, H)),
+                (p + "self_attn.q_norm.weight", (d,)),
+                (p + "self_attn.k_norm.weight", (d,)),
+                (p + "self_attn.o_proj.weight", (H, hq * d)),
+                (p + "post_attention_layernorm.weight", (H,))]
+        if cfg.is_moe:
+            Im = cfg.moe_intermediate_size
+            out.append((p + "mlp.gate.weight", (cfg.num_experts, H)))
+            for e in range(cfg.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                out += [(q + "gate_proj.weight", (Im, H)), (q + "up_proj.weight", (Im, H)),
+                        (q + "down_proj.weight", (H, Im))]
+        else:
+            out += [(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H)),
+                    (p + "mlp.down_proj.weight", (H, I))]
+    out += [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
+    return out
+
+
+def _seed_of(seed: int, name: str) -> int:
+    """A parameter's own stream: from the model seed and its name (machine-independent)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+def random_weights(cfg: Qwen3Config) -> dict:
+    """fp32 CPU tensors, HF names: linears ``N(0, 1/fan_in)``, embeddings ``N(0, 1)``, norm
+    weights ``1 + 0.1 N(0, 1)`` (so that they are not all ones)."""
+    w = {}
+    for name, shape in param_names(cfg):
+        x = seeded_normal(shape, _seed_of(cfg.seed, name))
+        if name.endswith("norm.weight"):
+            x = 1.0 + 0.1 * x
+        elif name != "model.embed_tokens.weight":
+            x = x * shape[1] ** -0.5
+        w[name] = x.to(cfg.dtype)
+    return w
+
+
+FAMILIES = ("norm", "linear", "attention", "moe")
+
+
+def resolve_impl(impl) -> dict:
+    """``"invariant"`` / ``"variant"`` -> that impl for every kernel family; a dict
+    ``{family: impl}`` (families :data:`FAMILIES`; missing ones are ``"invariant"``) -> per family."""
+    if isinstance(impl, str):
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS} or a dict, got {impl!r}")
+        return {f: impl for f in FAMILIES}
+    if not isinstance(impl, dict) or set(impl) - set(FAMILIES) or set(impl.values()) - set(IMPLS):
+        raise ValueError(f"impl dict must map some of {FAMILIES} to one of {IMPLS}, got {impl!r}")
+    return {f: impl.get(f, "invariant") for f in FAMILIES}
+
+
+@dataclass
+class StepBatch:
+    """One forward step of a varlen batch (vLLM's layout).
+
+    ``tokens``, ``positions``, ``slot_mapping``: ``(T,)``, the new tokens of every sequence back
+    to back; ``block_table`` ``(S, max_blocks)`` int32, ``seq_lens`` ``(S,)`` int32 (context after
+    this step), ``query_start_loc`` ``(S+1,)`` int32; ``logits_indices``: the rows of ``T`` whose
+    next-token log-probabilities are wanted."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    logits_indices: torch.Tensor
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
+
+
+class Qwen3Model:
+    """The decoder.  ``Qwen3Model(cfg)`` draws the weights from ``cfg.seed``;
+    ``Qwen3Model.from_pretrained(folder)`` reads a folder written by :meth:`save_pretrained`."""
+
+    def __init__(self, cfg: Qwen3Config, weights: dict | None = None, device=None):
+        self.cfg = cfg
+        self.device = DEVICE if device is None else torch.device(device)
+        self.weights = random_weights(cfg) if weights is None else dict(weights)
+        dt, dev = cfg.dtype, self.device
+
+        def g(name):
+            return self.weights[name].to(dtype=dt, device=dev).contiguous()
+
+        self.embed = g("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            L = _Layer(in_norm=g(p + "input_layernorm.weight"),
+                       qkv=torch.cat([g(a + "q_proj.weight"), g(a + "k_proj.weight"), g(a + "v_proj.weight")]),
+                       q_norm=g(a + "q_norm.weight"), k_norm=g(a + "k_norm.weight"), o=g(a + "o_proj.weight"),
+                       post_norm=g(p + "post_attention_layernorm.weight"))
+            if cfg.is_moe:
+                E = cfg.num_experts
+                L.router = g(p + "mlp.gate.weight")
+                L.experts_gate_up = torch.stack([
+                    torch.cat([g(f"{p}mlp.experts.{e}.gate_proj.weight"), g(f"{p}mlp.experts.{e}.up_proj.weight")])
+                    for e in range(E)]).contiguous()
+                L.experts_down = torch.stack([g(f"{p}mlp.experts.{e}.down_proj.weight")
+                                              for e in range(E)]).contiguous()
+            else:
+                L.gate_up = torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")])
+                L.down = g(p + "mlp.down_proj.weight")
+            self.layers.append(L)
+        self.norm = g("model.norm.weight")
+        self.lm_head = g("lm_head.weight")
+        # RoPE (Qwen3: rotate-half / neox style): cos/sin of every position, computed once in
+        # float64 and rounded, so a token's values never depend on the batch it is part of.
+        d = cfg.head_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)[:, None] * inv[None, :]
+        ang = torch.cat([ang, ang], dim=1)
+        self.cos = ang.cos().to(dtype=torch.float32, device=dev)
+        self.sin = ang.sin().to(dtype=torch.float32, device=dev)
+
+    # ---------------------------------------------------------------------------------- I/O
+    def save_pretrained(self, folder: str) -> dict:
+        """Write ``config.json`` and ``model.safetensors`` (HF names) to ``folder``; returns
+        ``{"config": path, "weights": path, "format": "safetensors"}``."""
+        os.makedirs(folder, exist_ok=True)
+        cpath = os.path.join(folder, "config.json")
+        with open(cpath, "w") as f:
+            json.dump(self.cfg.hf_config(), f, indent=2, sort_keys=True)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.weights.items()}
+        from safetensors.torch import save_file
+        wpath = os.path.join(folder, "model.safetensors")
+        save_file(tensors, wpath, metadata={"format": "pt"})
+        return {"config": cpath, "weights": wpath, "format": "safetensors"}
+
+    @classmethod
+    def from_pretrained(cls, folder: str, device=None) -> "Qwen3Model":
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = Qwen3Config.from_hf_config(json.load(f))
+        from safetensors.torch import load_file
+        return cls(cfg, load_file(os.path.join(folder, "model.safetensors")), device=device)
+
+    # ------------------------------------------------------------------------------ forward
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> list:
+        """One ``(k_cache, v_cache)`` pair per layer (the block table is shared by all layers)."""
+        c = self.cfg
+        return [A.new_cache(num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=c.dtype,
+                            device=self.device) for _ in range(c.num_hidden_layers)]
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        xf = x.float()
+        h = xf.shape[-1] // 2
+        rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
+        return (xf * cos + rot * sin).to(x.dtype)
+
+    @torch.no_grad()
+    def forward(self, batch: StepBatch, kv_cache: list, *, impl: str = "invariant") -> torch.Tensor:
+        """Run one step: writes the new tokens' keys/values into ``kv_cache`` and returns the
+        fp32 log-probabilities ``(len(logits_indices), vocab)`` of the next token.  ``impl``:
+        ``"invariant"`` or ``"variant"`` for every kernel, or a dict per kernel family (see
+        :func:`resolve_impl`; to find which kernel makes a variant run differ)."""
+        im = resolve_impl(impl)
+        c = self.cfg
+        hq, hkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        T = batch.tokens.shape[0]
+        x = self.embed[batch.tokens]
+        residual = x
+        h = RN.rms_norm(x, self.layers[0].in_norm, eps, impl=im["norm"])
+        for i, L in enumerate(self.layers):
+            qkv = linear(h, L.qkv, impl=im["linear"])
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+            q = RN.rms_norm(q.reshape(T * hq, d).contiguous(), L.q_norm, eps, impl=im["norm"]).view(T, hq, d)
+            k = RN.rms_norm(k.reshape(T * hkv, d).contiguous(), L.k_norm, eps, impl=im["norm"]).view(T, hkv, d)
+            q = self._rope(q, batch.positions)
+            k = self._rope(k, batch.positions)
+            v = v.reshape(T, hkv, d).contiguous()
+            kc, vc = kv_cache[i]
+            A.write_kv(k.contiguous(), v, kc, vc, batch.slot_mapping)
+            o = A.attention(q.contiguous(), kc, vc, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                            impl=im["attention"])
+            o = linear(o.reshape(T, hq * d), L.o, impl=im["linear"])
+            h, residual = RN.fused_add_rms_norm(o, residual, L.post_norm, eps, impl=im["norm"])
+            if c.is_moe:
+                m = MOE.fused_moe(h, L.router, L.experts_gate_up, L.experts_down, c.num_experts_per_tok,
+                                  renormalize=c.norm_topk_prob, impl=im["moe"])
+            else:
+                gu = linear(h, L.gate_up, impl=im["linear"])
+                inter = gu.shape[1] // 2
+                act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(gu.dtype)
+                m = linear(act, L.down, impl=im["linear"])
+            nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
+            h, residual = RN.fused_add_rms_norm(m, residual, nxt, eps, impl=im["norm"])
+        h = h[batch.logits_indices].contiguous()
+        logits = linear(h, self.lm_head, impl=im["linear"])
+        return torch.log_softmax(logits.float(), dim=-1)
