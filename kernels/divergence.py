@@ -26,16 +26,12 @@ def default_batch_sizes(limit: int) -> list:
     return sorted(set(out))
 
 
-def mm_first_divergence(dtype: torch.dtype, n: int, k: int, batch_sizes, *, positions="all",
-                        seeds=(0,), device=None) -> dict:
-    """One row of the table: where ``torch.mm(x, W)`` first depends on the batch."""
-    device = device if device is not None else DEVICE
-    w = seeded_normal((k, n), 12345).to(dtype=dtype, device=device) * (k ** -0.5)
-    make = row_maker(k, dtype=dtype, device=device)
-    m, rep = first_divergence(lambda x: torch.mm(x, w), make, batch_sizes, positions=positions, seeds=seeds)
+def _search(label: str, f, make, dtype: torch.dtype, n: int, k: int, batch_sizes, positions, seeds, device) -> dict:
+    """One row of a first-divergence table for ``f`` on rows from ``make``."""
+    m, rep = first_divergence(f, make, batch_sizes, positions=positions, seeds=seeds)
     first = rep.first
     return {
-        "op": "torch.mm", "impl": "cuBLAS" if torch.device(device).type == "cuda" else "CPU BLAS",
+        "op": label, "impl": "cuBLAS" if torch.device(device).type == "cuda" else "CPU BLAS",
         "dtype": str(dtype).replace("torch.", ""), "N": n, "K": k,
         "searched_up_to": max(batch_sizes), "row_checks": rep.checks,
         "first_divergence_M": m,
@@ -44,6 +40,14 @@ def mm_first_divergence(dtype: torch.dtype, n: int, k: int, batch_sizes, *, posi
         "max_ulp": first.max_ulp if first else 0,
     }
 
+
+def mm_first_divergence(dtype: torch.dtype, n: int, k: int, batch_sizes, *, positions="all",
+                        seeds=(0,), device=None) -> dict:
+    """One row of the table: where ``torch.mm(x, W)`` first depends on the batch."""
+    device = device if device is not None else DEVICE
+    w = seeded_normal((k, n), 12345).to(dtype=dtype, device=device) * (k ** -0.5)
+    make = row_maker(k, dtype=dtype, device=device)
+    return _search("torch.mm", lambda x: torch.mm(x, w), make, dtype, n, k, batch_sizes, positions, seeds, device)
 
 OPS = ("mm", "bmm", "linear")
 
@@ -74,18 +78,8 @@ def op_first_divergence(op: str, dtype: torch.dtype, n: int, k: int, batch_sizes
         make = row_maker(k, dtype=dtype, device=device)
     else:
         return mm_first_divergence(dtype, n, k, batch_sizes, positions=positions, seeds=seeds, device=device)
-    m, rep = first_divergence(_op_fn(op, w, bias, heads), make, batch_sizes, positions=positions, seeds=seeds)
-    first = rep.first
-    return {
-        "op": f"torch.{op}" if op != "linear" else "F.linear(+bias)",
-        "impl": "cuBLAS" if torch.device(device).type == "cuda" else "CPU BLAS",
-        "dtype": str(dtype).replace("torch.", ""), "N": n, "K": k,
-        "searched_up_to": max(batch_sizes), "row_checks": rep.checks, "first_divergence_M": m,
-        "row": first.position if first else None,
-        "elements_differing": first.elements_differing if first else 0,
-        "max_ulp": first.max_ulp if first else 0,
-    }
-
+    label = f"torch.{op}" if op != "linear" else "F.linear(+bias)"
+    return _search(label, _op_fn(op, w, bias, heads), make, dtype, n, k, batch_sizes, positions, seeds, device)
 
 def invariance_map(shapes=((4096, 4096), (4096, 12288)), dtypes=("bfloat16", "float16", "float32"),
                    limit: int = 2048, ops=OPS) -> list:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["WARP_SIZE", "thread_schedule", "block_reduce", "rms_norm", "RMSNormTrace", "fma_f32"]
+__all__ = ["WARP_SIZE", "thread_schedule", "block_reduce", "rms_scale", "normalize", "rms_norm", "RMSNormTrace",
+           "fma_f32"]
 
 WARP_SIZE = 32
 _MAX_BLOCK = 1024
@@ -146,6 +147,22 @@ def block_reduce(x, block_size: int, vec_width: int = 1, *, square: bool = False
     return total
 
 
+def rms_scale(sum_sq: np.ndarray, n: int, eps: float) -> np.ndarray:
+    """``1 / sqrt(sum_sq / n + eps)`` in fp32, every step correctly rounded (``div.rn``,
+    ``sqrt.rn``, as the kit's CUDA kernels compute it: no ``rsqrtf``)."""
+    mean = (np.asarray(sum_sq, dtype=np.float32) / np.float32(n)).astype(np.float32)
+    var = (mean + np.float32(eps)).astype(np.float32)
+    return (np.float32(1.0) / np.sqrt(var)).astype(np.float32)
+
+
+def normalize(x: torch.Tensor, scale: np.ndarray, weight: torch.Tensor) -> torch.Tensor:
+    """``(T)((T)(x * scale) * weight)`` on the CPU: the fp32 product rounded to the input
+    dtype ``T``, then the product with the weight (exact in fp32 for 16-bit values) rounded once."""
+    dtype = x.dtype
+    normed = (x.detach().to("cpu", torch.float32) * torch.from_numpy(np.asarray(scale, np.float32))[:, None]).to(dtype)
+    return (normed.float() * weight.detach().to("cpu", torch.float32)).to(dtype)
+
+
 @dataclass
 class RMSNormTrace:
     """Every intermediate of an emulated RMSNorm, for teaching and for bit comparisons."""
@@ -175,10 +192,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, block_size: int,
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     n = x.shape[1]
     s = block_reduce(x, block_size, vec_width, square=True, misalign=misalign)
-    mean = (s / np.float32(n)).astype(np.float32)
-    var = (mean + np.float32(eps)).astype(np.float32)
-    scale = (np.float32(1.0) / np.sqrt(var)).astype(np.float32)  # sqrt and / correctly rounded
-    xf = x.detach().to("cpu", torch.float32)
-    normed = (xf * torch.from_numpy(scale)[:, None]).to(x.dtype)
-    out = normed * weight.detach().cpu()
-    return RMSNormTrace(sum_sq=s, scale=scale, out=out)
+    scale = rms_scale(s, n, eps)
+    return RMSNormTrace(sum_sq=s, scale=scale, out=normalize(x, scale, weight))

@@ -126,18 +126,15 @@ def _from(module: str, name: str):
     return part
 
 
-def _rms(name):
-    return _from("rms_norm_bench", name)
-
 
 PARTS = {
     "mm_first_divergence": part_mm_first_divergence,
     "decoder_under_load": part_decoder_under_load,
-    "rms_norm_crosscheck": _rms("crosscheck"),
-    "rms_norm_invariance": _rms("invariance"),
-    "rms_norm_flips": _rms("flips"),
-    "rms_norm_bench": _rms("bench"),
-    "rms_norm_tune_warps": _rms("tune_warps"),
+    "rms_norm_crosscheck": _from("rms_norm_bench", "crosscheck"),
+    "rms_norm_invariance": _from("rms_norm_bench", "invariance"),
+    "rms_norm_flips": _from("rms_norm_bench", "flips"),
+    "rms_norm_bench": _from("rms_norm_bench", "bench"),
+    "rms_norm_tune_warps": _from("rms_norm_bench", "tune_warps"),
     "invariance_map": part_invariance_map,
     "matmul_sweep": part_matmul_sweep,
     # issue 5 (written on CPU, not yet run on a GPU):

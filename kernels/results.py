@@ -107,6 +107,3 @@ def describe(doc: dict) -> str:
     return (f"{p.get('device')} ({p.get('sm_count')} SMs), torch {p.get('torch')}, triton {p.get('triton')}, "
             f"CUDA {p.get('cuda')}, {p.get('date', '')[:10]}, commit {str(p.get('git_commit'))[:10]}")
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0", "false", "False")

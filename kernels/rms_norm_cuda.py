@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from . import checks, cuda_ext
-from .emulator import WARP_SIZE, block_reduce
+from .emulator import WARP_SIZE, block_reduce, normalize, rms_scale
 
 __all__ = [
     "OPS", "IMPLS", "FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "GROUP_SIZES",
@@ -169,11 +169,6 @@ def _row_sum_sq(z: torch.Tensor, block_size: int, layouts: list) -> np.ndarray:
     return sums
 
 
-def _rms_scale(sum_sq: np.ndarray, n: int, eps: float) -> np.ndarray:
-    mean = (sum_sq / np.float32(n)).astype(np.float32)
-    return (np.float32(1.0) / np.sqrt((mean + np.float32(eps)).astype(np.float32))).astype(np.float32)
-
-
 def _clamp_fp8(q: np.ndarray) -> torch.Tensor:
     q = np.fmax(np.fmin(q.astype(np.float32), FP8_MAX), -FP8_MAX)  # fminf/fmaxf semantics
     return torch.from_numpy(np.ascontiguousarray(q)).to(FP8_DTYPE)
@@ -199,9 +194,7 @@ def emulate(op: str, x: torch.Tensor, weight: torch.Tensor, *, eps: float, block
         z = (xc.float() + residual.detach().to("cpu").float()).to(dtype)
     else:
         z = xc
-    s = _rms_scale(_row_sum_sq(z, block_size, layouts), n, eps)
-    normed = (z.float() * torch.from_numpy(s)[:, None]).to(dtype)
-    v = (normed.float() * weight.detach().to("cpu").float()).to(dtype)
+    v = normalize(z, rms_scale(_row_sum_sq(z, block_size, layouts), n, eps), weight)
     if op == "rms_norm":
         return (v,)
     if op == "fused_add_rms_norm":
