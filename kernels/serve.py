@@ -353,4 +353,5 @@ def load_experiment(model: Qwen3Model, prompt: list, *, copies: int = 4, fillers
             "unique_token_sequences": len({k[0] for k in keys}),
             "unique_logprob_sequences": len({k[1] for k in keys}),
             "copy_steps": {c.req_id: [(t, s) for _, t, s in c.steps] for c in mine},
-            "steps": len(eng.step_log), "completions": mine}
+            "steps": len(eng.step_log), "completions": mine,
+            "generated_tokens": sum(len(c.tokens) for c in out)}
