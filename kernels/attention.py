@@ -32,7 +32,7 @@ in the same way, whichever launch it is part of:
    runs the online softmax over the split's tiles in fp32: running max ``m``, sum ``l`` and
    ``acc`` (``alpha = exp(m_old - m_new)``, ``p = exp(s - m_new)``, ``l = l*alpha + sum(p)``,
    ``acc = acc*alpha + p @ V``; 16-bit ``p`` is rounded to V's dtype for the tensor cores);
-3. a second kernel (one program per token, all its q heads) merges the partial states in a
+3. a second kernel (one program per token and q head) merges the partial states in a
    fixed order, a left fold in fp32:
    ``(((s0 + s1) + s2) + ...)`` with ``m = max(m_a, m_b)``, ``l = l_a*e^(m_a-m) + l_b*e^(m_b-m)``,
    ``acc`` likewise, then ``out = acc / l`` rounded once (RNE) to q's dtype.  One split still
@@ -369,33 +369,34 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
 def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, tok_seq_ptr, tok_pos_ptr, split_ptr, max_splits, q_heads,
-                       s_ot, s_oh, HQ_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """Program (token): for each q head, the left fold of its split states 0, 1, 2, ... in
-    fp32 (element-wise: no reduction), then ``out = acc / l`` rounded once to out's dtype."""
+                       s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """Program (token, q head): the left fold of the row's split states 0, 1, 2, ... in fp32
+    (element-wise: no reduction), then ``out = acc / l`` rounded once to out's dtype.  One
+    program per row keeps the serial fold short and spreads a long context's many splits over
+    many SMs (one program per token for all its heads was slow at long contexts)."""
     tok = tl.program_id(0)
+    h = tl.program_id(1)
     seq = tl.load(tok_seq_ptr + tok)
     pos = tl.load(tok_pos_ptr + tok)
     n = pos // tl.load(split_ptr + seq) + 1  # the splits a row has: ceil((pos + 1) / split)
-    h = tl.arange(0, HQ_PAD)
-    h_ok = h < q_heads
     d = tl.arange(0, D_PAD)
     w = (tok.to(tl.int64) * q_heads + h) * max_splits
-    m = tl.load(ws_ml_ptr + w * 2, mask=h_ok, other=0.0)
-    l = tl.load(ws_ml_ptr + w * 2 + 1, mask=h_ok, other=1.0)
-    acc = tl.load(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], mask=h_ok[:, None], other=0.0)
+    m = tl.load(ws_ml_ptr + w * 2)
+    l = tl.load(ws_ml_ptr + w * 2 + 1)
+    acc = tl.load(ws_acc_ptr + w * D_PAD + d)
     for i in range(1, n):
-        m_i = tl.load(ws_ml_ptr + (w + i) * 2, mask=h_ok, other=0.0)
-        l_i = tl.load(ws_ml_ptr + (w + i) * 2 + 1, mask=h_ok, other=1.0)
-        acc_i = tl.load(ws_acc_ptr + (w + i)[:, None] * D_PAD + d[None, :], mask=h_ok[:, None], other=0.0)
+        m_i = tl.load(ws_ml_ptr + (w + i) * 2)
+        l_i = tl.load(ws_ml_ptr + (w + i) * 2 + 1)
+        acc_i = tl.load(ws_acc_ptr + (w + i) * D_PAD + d)
         m_new = tl.maximum(m, m_i)
         a = tl.exp(m - m_new)
         b = tl.exp(m_i - m_new)
         l = l * a + l_i * b
-        acc = acc * a[:, None] + acc_i * b[:, None]
+        acc = acc * a + acc_i * b
         m = m_new
-    o = acc / l[:, None]
-    tl.store(out_ptr + tok.to(tl.int64) * s_ot + h[:, None] * s_oh + d[None, :],
-             from_f32(o, out_ptr.dtype.element_ty), mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
+    o = acc / l
+    tl.store(out_ptr + tok.to(tl.int64) * s_ot + h * s_oh + d, from_f32(o, out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,7 +450,7 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, impl,
             raise ValueError(f"seq_lens[{s}]={lens[s]} is longer than the cache can hold for it: block_table has "
                              f"{block_table.shape[1]} blocks of {bs}")
         start = lens[s] - ql
-        if ql > 1 and start % cfg.block_n:
+        if ql > 1 and start % cfg.block_n and impl in ("invariant", "variant"):  # the kit kernels' rule
             raise ValueError(f"query_start_loc/seq_lens: sequence {s} starts a {ql}-token chunk at position {start}, "
                              f"not a multiple of the KV tile block_n={cfg.block_n} (chunked prefill and prefix-cache "
                              "hits must start chunks at multiples of block_n)")
@@ -589,9 +590,9 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=plan.q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
         D_PAD=d_pad, UPCAST=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _attn_merge_kernel[(T,)](plan.ws_acc, plan.ws_ml, out, plan.tok_seq, plan.tok_pos, plan.split_t,
-                             plan.max_splits, hq, out.stride(0), out.stride(1), HQ_PAD=triton.next_power_of_2(hq),
-                             HEAD_DIM=d, D_PAD=d_pad, num_warps=4)
+    _attn_merge_kernel[(T, hq)](plan.ws_acc, plan.ws_ml, out, plan.tok_seq, plan.tok_pos, plan.split_t,
+                                plan.max_splits, hq, out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad,
+                                num_warps=1)
     return out
 
 

@@ -144,6 +144,7 @@ PARTS = {
     # issue 6 (written on CPU, not yet run on a GPU):
     "attention_consistency": _from("attention_bench", "consistency"),
     "attention_bench": _from("attention_bench", "bench"),
+    "attention_tune": _from("attention_bench", "tune"),
     "e2e_model": _from("e2e_bench", "e2e_model"),
 }
 
