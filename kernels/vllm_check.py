@@ -1,0 +1,860 @@
+"""Is vLLM itself batch invariant?  The kit's random-weight Qwen3 models served by vLLM 0.26.
+
+One command, one JSON file (``DIR/vllm_check.json``, the :mod:`kernels.results` shape:
+``{"provenance", "rows", "checks"}`` plus ``"jobs"`` and ``"plan"``).  It needs a CUDA GPU with vLLM
+staged as in ``shared/device/vllm`` (that README's ``export`` line first, then)::
+
+    python -m kernels.vllm_check --out DIR            # everything, within --budget-s (480 s)
+    python -m kernels.vllm_check --out DIR --models dense --modes default,invariant --quick
+    python -m kernels.vllm_check --out DIR --dry-run  # print the plan; runs nothing
+
+Three modes, each in its own subprocess (vLLM's engine runs in that process:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``VLLM_USE_FLASHINFER_SAMPLER=0`` always, flashinfer is not
+staged):
+
+* ``default``: vLLM as shipped (torch.compile + CUDA graphs);
+* ``invariant``: ``VLLM_BATCH_INVARIANT=1``, vLLM's own batch-invariant mode;
+* ``kit``: ``VLLM_BATCH_INVARIANT=1`` *and* the kit's Triton kernels swapped in through vLLM's
+  out-of-tree extension point ``CustomOp.register_oot``: every ``RMSNorm`` (plain and fused
+  residual-add: input/post-attention norms, per-head q/k norms, the final norm) runs
+  :func:`kernels.rms_norm.rms_norm` / :func:`kernels.rms_norm.fused_add_rms_norm`, and the MoE
+  experts (routing from vLLM's router logits, dispatch, grouped GEMMs, combine) run
+  :mod:`kernels.moe`.  Attention stays vLLM's (see :data:`ATTENTION_NOT_SWAPPED`).  Kit mode runs
+  eagerly (``enforce_eager=True``: no torch.compile, no CUDA graphs) unless ``--kit-compiled``, so
+  the call counters of the swapped kernels count every call.
+
+Experiments of one (model, mode), all greedy (``temperature=0``, ``ignore_eos=True``), with the
+log-probability of every sampled token (``logprobs=0``; ``logprobs_mode="raw_logprobs"``, vLLM's
+default, for sampled and prompt log-probabilities alike: fp32 ``log_softmax`` of the raw logits,
+returned as Python floats, compared bitwise):
+
+1. ``bs``: a 100-token target prompt, 48 tokens, alone and inside batches of 9, 33 and 129
+   (random fillers of random lengths and output lengths, target at a random place): tokens and
+   log-probabilities equal to the bs1 run, bitwise?  (max |difference| recorded too);
+2. ``needle``: a 257-token prompt alone, then among 64..128 random fillers in 4 trials: the
+   number of distinct completions (token sequences, log-probability sequences);
+3. ``decode_vs_prefill``: the 48 tokens decoded in (1) alone, then the prompt plus the first 47
+   of them sent as one prompt with ``prompt_logprobs=0`` and ``max_tokens=1``: the prompt
+   log-probability of each generated position (and the one sampled token) against the decode
+   log-probability, bitwise;
+4. ``throughput``: 256 prompts of 128..512 tokens, 128 new tokens each: wall time of
+   ``llm.generate``, output and total tokens/s (a serving number, CPU scheduling included).
+
+Robustness (the command is meant to run once, unattended): the models are built and saved once
+(a subprocess), every (model, mode) is a subprocess with a timeout taken from what is left of
+``--budget-s``; a job that does not fit is recorded as skipped; every experiment is in
+``try/except`` with its traceback recorded; each worker rewrites its part file after every
+experiment and the driver rewrites ``vllm_check.json`` after every job.  Order: dense
+default+invariant, moe default+invariant, then the kit modes.
+
+This module imports without vLLM (only the worker imports it), so its pure-Python parts
+(prompts, comparisons, the merge, the budget logic) are tested on a CPU
+(``tests/test_vllm_check.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+MODEL_NAMES = ("dense", "moe")
+MODES = ("default", "invariant", "kit")
+#: Environment of every worker (the README of shared/device/vllm: both are required).
+BASE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+#: Extra environment per mode (``default`` removes VLLM_BATCH_INVARIANT if the caller set it).
+MODE_ENV = {"default": {}, "invariant": {"VLLM_BATCH_INVARIANT": "1"}, "kit": {"VLLM_BATCH_INVARIANT": "1"}}
+ATTENTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
+ATTENTION_NOT_SWAPPED = (
+    "not swapped: vLLM 0.26 allows it (register_backend(AttentionBackendEnum.CUSTOM, ...) in "
+    "v1/attention/backends/registry.py, then attention_config={'backend': 'CUSTOM'}), but "
+    "kernels.attention plans its launches on the host (seq_lens as Python lists: a sync per "
+    "layer) and enforces the chunk-alignment rule (a prefill chunk or prefix hit must start at a "
+    "multiple of block_n = 64 keys), which vLLM's scheduler does not guarantee; not attempted here")
+
+VOCAB = 32768
+TARGET_LEN = 100
+NEEDLE_LEN = 257
+NEW_TOKENS = 48
+BATCH_SIZES = (1, 9, 33, 129)
+MAX_MODEL_LEN = 2048
+#: Seconds a worker needs at least (process start, vLLM import, engine init, one experiment): a
+#: job with less left is skipped rather than started.  The measured first ``LLM(...)`` with
+#: torch.compile and CUDA graphs took 47-59 s; kit mode runs eagerly (no compile, no capture).
+MIN_JOB_S = {"compiled": 70.0, "eager": 45.0}
+#: Rough seconds each experiment needs once the engine is up (the worker skips one when less is
+#: left before its deadline).
+EXPERIMENT_S = {"bs": 15.0, "needle": 15.0, "decode_vs_prefill": 5.0, "throughput": 20.0}
+EXPERIMENTS = tuple(EXPERIMENT_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+def _csv(name: str, value: str, allowed: tuple) -> list:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"--{name} must list at least one of {list(allowed)}, got {value!r}")
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        raise ValueError(f"--{name} must be a comma-separated subset of {list(allowed)}, got unknown {bad}")
+    if len(set(items)) != len(items):
+        raise ValueError(f"--{name} lists an item twice: {value!r}")
+    return items
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kernels.vllm_check", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="folder of vllm_check.json (and parts/, logs/)")
+    p.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated subset of dense,moe")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of default,invariant,kit")
+    p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the whole run (s)")
+    p.add_argument("--quick", action="store_true", help="smaller experiments (fewer trials, fewer prompts)")
+    p.add_argument("--model-dir", default=None,
+                   help="where the models are saved (default: <tempdir>/kit-models)")
+    p.add_argument("--attention-backend", default="FLASH_ATTN", help=f"one of {list(ATTENTION_BACKENDS)}")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--kit-compiled", action="store_true",
+                   help="kit mode with torch.compile + CUDA graphs (default: enforce_eager=True)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")
+    # internal: the subprocesses
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--folder", help=argparse.SUPPRESS)
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--kit-no-moe", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check; raises ``ValueError`` naming the offending argument."""
+    a = parser().parse_args(argv)
+    a.models = _csv("models", a.models, MODEL_NAMES)
+    a.modes = _csv("modes", a.modes, MODES)
+    if not (isinstance(a.budget_s, float) and math.isfinite(a.budget_s) and a.budget_s > 0):
+        raise ValueError(f"--budget-s must be a positive number of seconds, got {a.budget_s!r}")
+    if a.attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, got {a.attention_backend!r}")
+    if not (0.05 <= a.gpu_memory_utilization <= 0.95):
+        raise ValueError(f"--gpu-memory-utilization must be in [0.05, 0.95], got {a.gpu_memory_utilization!r}")
+    if a.model_dir is None:
+        a.model_dir = os.path.join(tempfile.gettempdir(), "kit-models")
+    if a.worker:
+        for name in ("model", "mode", "folder", "part", "deadline"):
+            if getattr(a, name) is None:
+                raise ValueError(f"--worker needs --{name}")
+        if a.model not in MODEL_NAMES:
+            raise ValueError(f"--model must be one of {list(MODEL_NAMES)}, got {a.model!r}")
+        if a.mode not in MODES:
+            raise ValueError(f"--mode must be one of {list(MODES)}, got {a.mode!r}")
+    elif not a.build and not a.dry_run and not a.out:
+        raise ValueError("--out is required (the folder of vllm_check.json)")
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts (deterministic: the same seed gives the same prompts on every machine)
+# ---------------------------------------------------------------------------------------------
+
+def random_prompt(length: int, seed: int, vocab: int = VOCAB) -> list:
+    """``length`` token ids in ``2..vocab-1`` (0 and 1 are the config's bos/eos) from ``seed``."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    rng = random.Random(seed)
+    return [rng.randrange(2, vocab) for _ in range(length)]
+
+
+def target_prompt() -> list:
+    return random_prompt(TARGET_LEN, seed=1234)
+
+
+def needle_prompt() -> list:
+    return random_prompt(NEEDLE_LEN, seed=4321)
+
+
+def batch_with(prompt: list, n: int, seed: int, *, min_len: int = 16, max_len: int = 400,
+               min_new: int = 4, max_new: int = 96) -> tuple:
+    """``prompt`` at a random place among ``n - 1`` random fillers of random lengths.
+
+    Returns ``(prompts, max_new_tokens, position)``: the target's ``max_new_tokens`` entry is
+    ``None`` (the caller's), each filler gets a random output length so that the batch
+    changes composition while the target decodes."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    rng = random.Random(seed)
+    fillers = [random_prompt(rng.randint(min_len, max_len), seed=rng.randrange(2 ** 31)) for _ in range(n - 1)]
+    news = [rng.randint(min_new, max_new) for _ in range(n - 1)]
+    pos = rng.randrange(n)
+    return fillers[:pos] + [prompt] + fillers[pos:], news[:pos] + [None] + news[pos:], pos
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparisons
+# ---------------------------------------------------------------------------------------------
+
+def compare(ref_tokens: list, ref_lps: list, tokens: list, lps: list) -> dict:
+    """Bitwise comparison of a completion against the reference one.
+
+    Log-probabilities are Python floats holding fp32 values: ``==`` is a bitwise test (NaN is
+    never equal: a NaN anywhere counts as a difference)."""
+    n = min(len(ref_lps), len(lps))
+    diffs = [abs(a - b) for a, b in zip(ref_lps[:n], lps[:n])]
+    unequal = [i for i in range(n) if not (ref_lps[i] == lps[i])]
+    tok_diff = [i for i in range(min(len(ref_tokens), len(tokens))) if ref_tokens[i] != tokens[i]]
+    return {
+        "tokens_equal": list(ref_tokens) == list(tokens),
+        # not ``list == list``: that compares by identity first, so one NaN object would equal itself
+        "logprobs_equal": len(ref_lps) == len(lps) and not unequal,
+        "first_token_diff": tok_diff[0] if tok_diff else (None if len(ref_tokens) == len(tokens)
+                                                           else min(len(ref_tokens), len(tokens))),
+        "first_logprob_diff": unequal[0] if unequal else (None if len(ref_lps) == len(lps) else n),
+        "logprobs_unequal": len(unequal) + abs(len(ref_lps) - len(lps)),
+        "max_abs_diff": max(diffs) if diffs else 0.0,
+    }
+
+
+def distinct(completions: list) -> dict:
+    """``completions``: ``[(tokens, logprobs)]``; counts of distinct token / log-prob sequences
+    (log-probs keyed by ``repr``: bitwise for floats, and a NaN equals a NaN of the same bits)."""
+    return {"n": len(completions),
+            "unique_token_sequences": len({tuple(t) for t, _ in completions}),
+            "unique_logprob_sequences": len({tuple(repr(x) for x in lp) for _, lp in completions})}
+
+
+def decode_vs_prefill(decode_tokens: list, decode_lps: list, prompt_len: int, prompt_lps: list,
+                      last_token: int, last_lp: float) -> dict:
+    """Decode log-probabilities against the prefill of ``prompt + decode_tokens[:-1]``.
+
+    ``prompt_lps``: the prefill's prompt log-probability of each prompt position (``None`` at
+    position 0, vLLM's convention); generated token ``j < n-1`` sits at position
+    ``prompt_len + j``; the last one is the prefill's own sampled token ``last_token`` with
+    ``last_lp``."""
+    n = len(decode_tokens)
+    pre = [prompt_lps[prompt_len + j] for j in range(n - 1)] + [last_lp]
+    equal = [decode_lps[j] == pre[j] for j in range(n)]
+    diffs = [abs(decode_lps[j] - pre[j]) for j in range(n)]
+    return {"positions": n, "equal_positions": sum(equal),
+            "first_unequal": equal.index(False) if False in equal else None,
+            "max_abs_diff": max(diffs) if diffs else 0.0,
+            "last_token_equal": last_token == decode_tokens[-1],
+            "decode_logprobs": decode_lps, "prefill_logprobs": pre}
+
+
+# ---------------------------------------------------------------------------------------------
+# The kit's kernels inside vLLM (kit mode)
+# ---------------------------------------------------------------------------------------------
+
+#: Calls of the swapped kernels in this process (incremented by the replacement forwards; in
+#: eager mode every call; under CUDA graphs only the calls made outside a replay).
+KIT_CALLS = {"rms_norm": 0, "fused_add_rms_norm": 0, "moe": 0, "weight_casts": 0}
+_KIT_OPS = None
+
+
+def kit_ops() -> dict:
+    """The kit's RMSNorm kernels as torch custom ops (``kit_vllm_check::rms_norm`` and
+    ``::fused_add_rms_norm``): opaque to torch.compile (it sees the fake, shape-only version),
+    plain calls in eager mode.  Registered once per process, on first use."""
+    global _KIT_OPS
+    if _KIT_OPS is not None:
+        return _KIT_OPS
+    from . import rms_norm as RN
+
+    @torch.library.custom_op("kit_vllm_check::rms_norm", mutates_args=())
+    def kit_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return RN.rms_norm(x, weight, eps, impl="invariant")
+
+    @kit_rms_norm.register_fake
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("kit_vllm_check::fused_add_rms_norm", mutates_args=())
+    def kit_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return RN.fused_add_rms_norm(x, residual, weight, eps, impl="invariant")
+
+    @kit_fused_add_rms_norm.register_fake
+    def _(x, residual, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    _KIT_OPS = {"rms_norm": kit_rms_norm, "fused_add_rms_norm": kit_fused_add_rms_norm}
+    return _KIT_OPS
+
+
+def kit_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None):
+    """vLLM's ``RMSNorm.forward`` contract on the kit's kernels: ``x`` of any shape ``(..., H)``
+    (Qwen3's q/k norms pass a strided ``(T, heads, head_dim)`` view), returns ``out`` shaped like
+    ``x``, or ``(out, x + residual)`` when a residual is given.  The kit wants 2-D contiguous
+    operands of one dtype: rows are flattened and copied when needed, the weight cast to ``x``'s
+    dtype if it differs (counted in ``KIT_CALLS["weight_casts"]``)."""
+    ops = kit_ops()
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    w = weight
+    if w.dtype != x.dtype:
+        KIT_CALLS["weight_casts"] += 1
+        w = w.to(x.dtype)
+    w = w.contiguous()
+    if residual is None:
+        KIT_CALLS["rms_norm"] += 1
+        return ops["rms_norm"](x2, w, float(eps)).view(shape)
+    KIT_CALLS["fused_add_rms_norm"] += 1
+    r2 = residual.reshape(-1, shape[-1]).contiguous()
+    out, z = ops["fused_add_rms_norm"](x2, r2, w, float(eps))
+    return out.view(shape), z.view(residual.shape)
+
+
+def kit_moe_from_logits(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        top_k: int, renormalize: bool) -> torch.Tensor:
+    """The kit's MoE from given router logits (vLLM computes them with its gate linear):
+    :func:`kernels.moe.route` (softmax, top-k, renormalize), :func:`~kernels.moe.dispatch`,
+    :func:`~kernels.moe.grouped_gemm` (gate/up + SiLU-and-mul, then down), :func:`~kernels.moe.combine`
+    -- the steps of :func:`kernels.moe.fused_moe` after its gating matmul.  Layouts are vLLM's:
+    ``w13`` ``(E, 2I, H)`` gate rows then up rows, ``w2`` ``(E, H, I)`` (the kit's own)."""
+    from . import moe as MOE
+
+    KIT_CALLS["moe"] += 1
+    x = x.contiguous()
+    logits = router_logits.contiguous()
+    T, E = x.shape[0], w13.shape[0]
+    weights, ids = MOE.route(logits, top_k, scoring="softmax", renormalize=renormalize, impl="invariant")
+    cfg = MOE.select_config(T, top_k, E, x.dtype, "invariant")
+    disp = MOE.dispatch(ids, E, cfg.block_m, validate=False)  # no host sync (CUDA-graph safe)
+    h = MOE.grouped_gemm(x, w13, disp, activation="silu_mul", gather_tokens=True, impl="invariant", config=cfg)
+    y = MOE.grouped_gemm(h, w2, disp, impl="invariant", config=cfg)
+    return MOE.combine(y, weights)
+
+
+def install_kit_ops(swap_moe: bool = True) -> dict:
+    """Register the kit's replacements with vLLM (in the worker, before ``LLM(...)`` builds the
+    model; the engine runs in this process).
+
+    * ``RMSNorm``: ``CustomOp.__new__`` (vllm/model_executor/custom_op.py) instantiates
+      ``op_registry_oot[cls.__name__]`` when one is registered, so every ``RMSNorm(...)`` of the
+      model becomes a :class:`KitRMSNorm`; its ``forward`` is overridden (not ``forward_cuda``),
+      so the choice between ``forward_native`` and ``forward_cuda`` made by
+      ``CustomOp.dispatch_forward`` / ``compilation_config.custom_ops`` does not matter.
+    * MoE: ``RoutedExperts._get_quant_method`` builds ``UnquantizedFusedMoEMethod(moe_config)``
+      for an unquantized model, replaced the same way by a subclass that says it is
+      *monolithic*: ``MoERunner._apply_quant_method`` then calls its ``apply_monolithic(layer, x,
+      router_logits)`` with the router logits of vLLM's gate instead of routing itself.
+    """
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    kit_ops()  # register the torch custom ops now, not inside the engine's first forward
+    done = {}
+
+    class KitRMSNorm(RMSNorm):
+        def forward(self, x, residual=None):
+            if self.variance_size_override is not None or not self.has_weight:
+                KIT_CALLS.setdefault("rms_norm_fallback", 0)
+                KIT_CALLS["rms_norm_fallback"] += 1
+                return super().forward(x, residual)
+            return kit_rms_norm_forward(x, self.weight.data, self.variance_epsilon, residual)
+
+    CustomOp.register_oot(KitRMSNorm, name="RMSNorm")
+    done["RMSNorm"] = "KitRMSNorm (kernels.rms_norm, impl='invariant')"
+
+    if swap_moe:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+        class KitMoEMethod(UnquantizedFusedMoEMethod):
+            @property
+            def is_monolithic(self) -> bool:
+                return True
+
+            def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+                unsupported = {
+                    "use_grouped_topk": bool(getattr(layer, "use_grouped_topk", False)),
+                    "custom_routing_function": getattr(layer, "custom_routing_function", None) is not None,
+                    "expert_map": getattr(layer, "expert_map", None) is not None,
+                    "e_score_correction_bias": getattr(layer, "e_score_correction_bias", None) is not None,
+                    "apply_router_weight_on_input": bool(getattr(layer, "apply_router_weight_on_input", False)),
+                    "scoring_func!=softmax": getattr(layer, "scoring_func", "softmax") != "softmax",
+                    "routed_scaling_factor!=1": float(getattr(layer, "routed_scaling_factor", 1.0) or 1.0) != 1.0,
+                }
+                bad = [k for k, v in unsupported.items() if v]
+                if bad:
+                    raise NotImplementedError(f"kit MoE swap does not support {bad}")
+                return kit_moe_from_logits(x, router_logits, layer.w13_weight, layer.w2_weight,
+                                           int(layer.top_k), bool(layer.renormalize))
+
+        CustomOp.register_oot(KitMoEMethod, name="UnquantizedFusedMoEMethod")
+        done["UnquantizedFusedMoEMethod"] = "KitMoEMethod (kernels.moe route/dispatch/grouped_gemm/combine)"
+    done["attention"] = ATTENTION_NOT_SWAPPED
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: one (model, mode) in this process
+# ---------------------------------------------------------------------------------------------
+
+def _write_json(path, doc) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def _completion(out) -> tuple:
+    """``(tokens, logprobs)`` of a ``RequestOutput``: the sampled token's log-prob per step."""
+    c = out.outputs[0]
+    toks = list(c.token_ids)
+    lps = [float(step[t].logprob) for t, step in zip(toks, c.logprobs)] if c.logprobs is not None else []
+    return toks, lps
+
+
+def _model_summary(model) -> dict:
+    """What the built model really contains (run inside the engine by ``llm.apply_model``)."""
+    classes, backends = {}, {}
+    for m in model.modules():
+        name = type(m).__name__
+        if name in ("KitRMSNorm", "RMSNorm", "RoutedExperts") or "Norm" in name:
+            classes[name] = classes.get(name, 0) + 1
+        qm = getattr(m, "quant_method", None)
+        if qm is not None and "MoE" in type(qm).__name__:
+            key = "moe_method:" + type(qm).__name__
+            classes[key] = classes.get(key, 0) + 1
+        ab = getattr(m, "attn_backend", None)
+        if ab is not None:
+            try:
+                bname = ab.get_name()
+            except Exception:
+                bname = getattr(ab, "__name__", str(ab))
+            backends[bname] = backends.get(bname, 0) + 1
+    return {"module_classes": classes, "attention_backends": backends}
+
+
+def run_worker(a: argparse.Namespace) -> int:
+    t_start = time.time()
+    part = {"model": a.model, "mode": a.mode, "status": "starting", "experiments": {}, "errors": [],
+            "env": {k: os.environ.get(k) for k in sorted(set(BASE_ENV) | {"VLLM_BATCH_INVARIANT"})},
+            "quick": a.quick}
+
+    def save(status=None):
+        if status:
+            part["status"] = status
+        part["kit_calls"] = dict(KIT_CALLS)
+        part["worker_s"] = time.time() - t_start
+        _write_json(a.part, part)
+
+    def left() -> float:
+        return a.deadline - time.time()
+
+    save()
+    kit = a.mode == "kit"
+    try:
+        if kit:
+            # the dense model has no MoE layer: do not even import vLLM's MoE method there
+            part["swapped"] = install_kit_ops(swap_moe=a.model == "moe" and not a.kit_no_moe)
+        import vllm
+        from vllm import LLM, SamplingParams
+
+        part["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
+        try:
+            import triton
+            part["versions"]["triton"] = triton.__version__
+        except Exception:
+            pass
+        kw = dict(model=a.folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+                  gpu_memory_utilization=a.gpu_memory_utilization, seed=0, enable_prefix_caching=False,
+                  max_num_seqs=256, logprobs_mode="raw_logprobs",
+                  attention_config={"backend": a.attention_backend})
+        if kit and not a.kit_compiled:
+            kw["enforce_eager"] = True
+        part["llm_kwargs"] = {k: (v if k != "model" else "<model folder>") for k, v in kw.items()}
+        t0 = time.time()
+        llm = LLM(**kw)
+        part["init_s"] = time.time() - t0
+        part["kit_calls_after_init"] = dict(KIT_CALLS)
+    except Exception:
+        part["errors"].append({"stage": "init", "traceback": traceback.format_exc()})
+        save("init_failed")
+        return 3
+    save("initialized")
+
+    # What actually runs: batch invariance, backends, swapped classes, the engine's config.
+    engine = {}
+    try:
+        import vllm.envs as envs
+        engine["VLLM_BATCH_INVARIANT"] = bool(envs.VLLM_BATCH_INVARIANT)
+        from vllm.model_executor.layers import batch_invariant as BI
+        engine["batch_invariant_mode_enabled"] = bool(getattr(BI, "_batch_invariant_MODE", False))
+    except Exception:
+        engine["batch_invariant_error"] = traceback.format_exc()
+    try:
+        engine["model"] = llm.apply_model(_model_summary)[0]
+    except Exception:
+        engine["model_error"] = traceback.format_exc()
+    try:
+        vc = llm.llm_engine.vllm_config
+        engine["compilation_mode"] = str(vc.compilation_config.mode)
+        engine["cudagraph_mode"] = str(vc.compilation_config.cudagraph_mode)
+        engine["custom_ops"] = list(vc.compilation_config.custom_ops)
+        engine["enforce_eager"] = bool(vc.model_config.enforce_eager)
+        engine["max_num_batched_tokens"] = vc.scheduler_config.max_num_batched_tokens
+        engine["max_num_seqs"] = vc.scheduler_config.max_num_seqs
+        engine["chunked_prefill"] = bool(vc.scheduler_config.enable_chunked_prefill)
+        engine["prefix_caching"] = bool(vc.cache_config.enable_prefix_caching)
+        engine["logprobs_mode"] = vc.model_config.logprobs_mode
+        engine["attention_backend_requested"] = str(vc.attention_config.backend)
+    except Exception:
+        engine["config_error"] = traceback.format_exc()
+    part["engine"] = engine
+    save()
+
+    def params(max_tokens, **extra):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
+                              detokenize=False, **extra)
+
+    def gen(prompts, news):
+        sps = [params(NEW_TOKENS if n is None else n) for n in news]
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+
+    tgt = target_prompt()
+    bs1 = {}
+    for name in EXPERIMENTS:
+        if left() < EXPERIMENT_S[name]:
+            part["experiments"][name] = {"skipped": f"budget: {left():.0f} s left before the deadline"}
+            save()
+            continue
+        calls0 = dict(KIT_CALLS)
+        t0 = time.time()
+        try:
+            if name == "bs":
+                res = {"batch_sizes": list(BATCH_SIZES), "target_len": len(tgt), "new_tokens": NEW_TOKENS,
+                       "runs": []}
+                for n in BATCH_SIZES:
+                    prompts, news, pos = batch_with(tgt, n, seed=100 + n)
+                    toks, lps = _completion(gen(prompts, news)[pos])
+                    if n == 1:
+                        bs1 = {"tokens": toks, "logprobs": lps}
+                        res["bs1_tokens"], res["bs1_logprobs"] = toks, lps
+                        continue
+                    cmp = compare(bs1["tokens"], bs1["logprobs"], toks, lps)
+                    res["runs"].append({"batch_size": n, "position": pos,
+                                        "prompt_tokens_in_batch": sum(len(p) for p in prompts), **cmp})
+                res["all_equal"] = all(r["tokens_equal"] and r["logprobs_equal"] for r in res["runs"])
+            elif name == "needle":
+                ndl = needle_prompt()
+                trials = 2 if a.quick else 4
+                comps = [_completion(gen([ndl], [None])[0])]
+                per = []
+                for t in range(trials):
+                    rng = random.Random(700 + t)
+                    n = rng.randint(64, 128)
+                    prompts, news, pos = batch_with(ndl, n, seed=800 + t)
+                    comps.append(_completion(gen(prompts, news)[pos]))
+                    per.append({"trial": t, "batch_size": n, "position": pos,
+                                **compare(comps[0][0], comps[0][1], *comps[-1])})
+                res = {"needle_len": len(ndl), "trials": per, **distinct(comps)}
+            elif name == "decode_vs_prefill":
+                if not bs1:
+                    raise RuntimeError("needs the bs1 run of the 'bs' experiment, which did not complete")
+                toks, lps = bs1["tokens"], bs1["logprobs"]
+                prompt = tgt + toks[:-1]
+                sp = params(1, prompt_logprobs=0)
+                out = llm.generate([{"prompt_token_ids": prompt}], [sp], use_tqdm=False)[0]
+                plp = [None if d is None else float(d[t].logprob) for t, d in zip(prompt, out.prompt_logprobs)]
+                last_toks, last_lps = _completion(out)
+                res = {"prompt_len": len(tgt),
+                       **decode_vs_prefill(toks, lps, len(tgt), plp, last_toks[0], last_lps[0])}
+            else:  # throughput
+                n = 64 if a.quick else 256
+                new = 64 if a.quick else 128
+                rng = random.Random(900)
+                prompts = [random_prompt(rng.randint(128, 512), seed=rng.randrange(2 ** 31)) for _ in range(n)]
+                gen(prompts[:8], [8] * 8)  # warm-up (lazy compilation outside the timing)
+                t1 = time.perf_counter()
+                outs = gen(prompts, [new] * n)
+                wall = time.perf_counter() - t1
+                out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
+                in_toks = sum(len(p) for p in prompts)
+                res = {"prompts": n, "new_tokens_each": new, "prompt_tokens": in_toks, "output_tokens": out_toks,
+                       "wall_s": wall, "output_tokens_per_s": out_toks / wall,
+                       "total_tokens_per_s": (in_toks + out_toks) / wall}
+            res["seconds"] = time.time() - t0
+            res["kit_calls"] = {k: KIT_CALLS.get(k, 0) - calls0.get(k, 0) for k in KIT_CALLS}
+            part["experiments"][name] = res
+        except Exception:
+            part["experiments"][name] = {"error": traceback.format_exc(), "seconds": time.time() - t0}
+        save()
+    save("done")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the models (a subprocess of the driver: the driver itself never touches the GPU)
+# ---------------------------------------------------------------------------------------------
+
+def run_build(a: argparse.Namespace) -> int:
+    from .e2e_bench import MODELS, build
+
+    for name in a.models:
+        folder = os.path.join(a.model_dir, name)
+        cpath = os.path.join(folder, "config.json")
+        want = MODELS[name].hf_config()
+        if os.path.exists(os.path.join(folder, "model.safetensors")) and os.path.exists(cpath):
+            with open(cpath) as f:
+                if json.load(f) == want:
+                    print(f"{name}: reusing {folder}", flush=True)
+                    continue
+        t0 = time.time()
+        m = build(name, device="cuda" if torch.cuda.is_available() else "cpu")
+        m.save_pretrained(folder)
+        print(f"{name}: built and saved in {time.time() - t0:.1f} s", flush=True)
+        del m
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver: plan, budget, subprocesses, merge
+# ---------------------------------------------------------------------------------------------
+
+def plan(models: list, modes: list) -> list:
+    """Jobs ``[(model, mode)]`` in priority order: dense default+invariant, moe default+invariant,
+    then kit (dense, moe); restricted to the requested models and modes."""
+    order = [(m, mode) for mode_group in (("default", "invariant"), ("kit",))
+             for m in MODEL_NAMES for mode in mode_group]
+    return [(m, mode) for m, mode in order if m in models and mode in modes]
+
+
+def worker_env(mode: str, base: dict | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env.pop("VLLM_BATCH_INVARIANT", None)
+    env.update(BASE_ENV)
+    env.update(MODE_ENV[mode])
+    return env
+
+
+def run_subprocess(cmd: list, env: dict, timeout: float, log_path) -> dict:
+    """Run ``cmd`` in its own process group, output to ``log_path``; on timeout kill that group
+    (the engine may have started compile workers).  Returns rc, seconds, timed_out, log tail."""
+    t0 = time.time()
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=max(timeout, 1.0))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            rc = proc.wait()
+    text = Path(log_path).read_text(errors="replace")
+    return {"rc": rc, "seconds": time.time() - t0, "timed_out": timed_out, "log_tail": text[-4000:]}
+
+
+def rows_and_checks(parts: list, jobs: list) -> tuple:
+    """The JSON's rows and checks from the workers' part files (``parts``: dicts as written by
+    :func:`run_worker`, possibly partial) and the job records (``jobs``: skipped/failed ones)."""
+    rows, checks = [], []
+    by_key = {(p["model"], p["mode"]): p for p in parts}
+    for job in jobs:
+        key = (job["model"], job["mode"])
+        label = f"{job['model']} {job['mode']}"
+        p = by_key.get(key)
+        if p is None or p.get("status") in (None, "starting", "init_failed"):
+            why = job.get("skipped") or job.get("error") or (p or {}).get("status") or "no result"
+            checks.append({"name": f"{label}: the worker produced results", "passed": False, "reason": why})
+            continue
+        ex = p.get("experiments", {})
+        common = {"impl": job["mode"], "model": job["model"], "init_s": p.get("init_s"),
+                  "engine": p.get("engine", {})}
+        for name in EXPERIMENTS:
+            r = ex.get(name)
+            if r is None:
+                r = {"missing": "the worker stopped before this experiment"}
+            rows.append({"op": f"vllm_{name}", **common, **r})
+        invariant = job["mode"] in ("invariant", "kit")
+        bs, nd, dp = ex.get("bs", {}), ex.get("needle", {}), ex.get("decode_vs_prefill", {})
+        bs_ok = "all_equal" in bs
+        if job["mode"] == "default":
+            differs = None
+            if bs_ok or "unique_logprob_sequences" in nd:
+                differs = (bs_ok and not bs["all_equal"]) or nd.get("unique_logprob_sequences", 1) > 1
+            checks.append({"name": f"{label}: bs1 vs bsN / needle differ somewhere (expected for default "
+                                   f"kernels; informational, not a failure when equal)",
+                           "passed": differs is not None, "informational": True, "differs": differs,
+                           "max_abs_diff": max([x["max_abs_diff"] for x in bs.get("runs", [])], default=None)})
+        if invariant:
+            checks.append({"name": f"{label}: bs1 == bsN bitwise (tokens and logprobs) for N in "
+                                   f"{list(BATCH_SIZES[1:])}",
+                           "passed": bool(bs_ok and bs["all_equal"]),
+                           "runs": [{k: x.get(k) for k in ("batch_size", "tokens_equal", "logprobs_equal",
+                                                            "max_abs_diff")} for x in bs.get("runs", [])],
+                           **({"error": bs.get("error") or bs.get("skipped")} if not bs_ok else {})})
+            checks.append({"name": f"{label}: needle among random fillers: 1 distinct completion "
+                                   f"(tokens and logprobs, bs1 included)",
+                           "passed": nd.get("unique_token_sequences") == 1 and nd.get("unique_logprob_sequences") == 1,
+                           "unique_token_sequences": nd.get("unique_token_sequences"),
+                           "unique_logprob_sequences": nd.get("unique_logprob_sequences"), "n": nd.get("n")})
+        if "positions" in dp or invariant:
+            checks.append({"name": f"{label}: decode logprobs == prefill prompt logprobs, bitwise"
+                                   + ("" if invariant else " (informational)"),
+                           "passed": (dp.get("equal_positions") == dp.get("positions") and "positions" in dp)
+                           if invariant else "positions" in dp,
+                           "informational": not invariant,
+                           "equal_positions": dp.get("equal_positions"), "positions": dp.get("positions"),
+                           "max_abs_diff": dp.get("max_abs_diff")})
+        if job["mode"] == "kit":
+            # calls made while the experiments ran (the engine's profile/warm-up runs excluded)
+            calls = {}
+            for r in ex.values():
+                for k, v in (r.get("kit_calls") or {}).items():
+                    calls[k] = calls.get(k, 0) + v
+            moe_swapped = "UnquantizedFusedMoEMethod" in (p.get("swapped") or {})
+            need = ["rms_norm", "fused_add_rms_norm"] + (["moe"] if job["model"] == "moe" and moe_swapped else [])
+            checks.append({"name": f"{label}: the kit's kernels ran inside vLLM during the experiments "
+                                   f"(call counters > 0: {', '.join(need)})",
+                           "passed": all(calls.get(k, 0) > 0 for k in need), "kit_calls_in_experiments": calls,
+                           "kit_calls_total": p.get("kit_calls", {}), "swapped": p.get("swapped"),
+                           "eager": (p.get("engine", {}) or {}).get("enforce_eager"),
+                           "counted": "every call (eager)" if (p.get("engine", {}) or {}).get("enforce_eager")
+                           else "calls outside CUDA-graph replays only (compiled)"})
+    return rows, checks
+
+
+def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None) -> dict:
+    """Plan the jobs, build the models, run the workers within ``a.budget_s``, merge.
+
+    ``launch(kind, cmd, env, timeout, log_path) -> dict`` (default :func:`run_subprocess`) and
+    ``clock`` are parameters so that the budget logic can be tested without a GPU; ``save(rows,
+    checks, extra)`` writes the JSON (default :func:`kernels.results.save`) and is called after
+    the build and after every job."""
+    launch = launch or (lambda kind, cmd, env, timeout, log: run_subprocess(cmd, env, timeout, log))
+    out = Path(a.out)
+    if save is None:
+        from . import results
+
+        def save(rows, checks, extra):
+            return results.save("vllm_check", rows, checks, folder=out, extra=extra)
+
+    t_start = clock()
+    deadline = t_start + a.budget_s
+    jobs = [{"model": m, "mode": mode} for m, mode in plan(a.models, a.modes)]
+    extra = {"plan": {"models": a.models, "modes": a.modes, "budget_s": a.budget_s, "quick": a.quick,
+                      "attention_backend": a.attention_backend, "kit_compiled": a.kit_compiled,
+                      "experiments": list(EXPERIMENTS), "batch_sizes": list(BATCH_SIZES),
+                      "new_tokens": NEW_TOKENS, "kit_attention": ATTENTION_NOT_SWAPPED},
+             "jobs": jobs}
+    me = [sys.executable, "-m", "kernels.vllm_check"]
+    parts = []
+
+    def write():
+        rows, checks = rows_and_checks(parts, [j for j in jobs if j.get("status") != "pending"])
+        extra["elapsed_s"] = clock() - t_start
+        save(rows, checks, extra)
+
+    for j in jobs:
+        j["status"] = "pending"
+    # 1. the models
+    build = launch("build", me + ["--build", "--models", ",".join(a.models), "--model-dir", a.model_dir],
+                   os.environ.copy(), max(deadline - clock(), 1.0), out / "logs" / "build.log")
+    extra["build"] = build
+    write()
+    if build.get("rc") != 0:
+        for j in jobs:
+            j.update(status="skipped", skipped="the model build failed (see build.log_tail)")
+        write()
+        return extra
+    # 2. the workers, most important first
+    for j in jobs:
+        left = deadline - clock()
+        need = MIN_JOB_S["eager" if j["mode"] == "kit" and not a.kit_compiled else "compiled"]
+        if left < need:
+            j.update(status="skipped", skipped=f"budget: {left:.0f} s left < {need:.0f} s needed to start")
+            write()
+            continue
+        part_path = out / "parts" / f"{j['model']}__{j['mode']}.json"
+        if part_path.exists():
+            part_path.unlink()
+        cmd = me + ["--worker", "--model", j["model"], "--mode", j["mode"],
+                    "--folder", os.path.join(a.model_dir, j["model"]), "--part", str(part_path),
+                    "--deadline", repr(deadline - 5.0), "--attention-backend", a.attention_backend,
+                    "--gpu-memory-utilization", repr(a.gpu_memory_utilization)]
+        cmd += (["--quick"] if a.quick else []) + (["--kit-compiled"] if a.kit_compiled else [])
+        try:
+            r = launch("worker", cmd, worker_env(j["mode"]), left,
+                       out / "logs" / f"{j['model']}__{j['mode']}.log")
+        except Exception:
+            r = {"rc": None, "error": traceback.format_exc()}
+        j.update(status="ran", **{k: r.get(k) for k in ("rc", "seconds", "timed_out", "error")})
+        if r.get("rc") != 0:
+            j["log_tail"] = r.get("log_tail")
+        try:
+            part = json.loads(part_path.read_text())
+        except Exception:
+            part = None
+            j["error"] = j.get("error") or f"no readable part file (rc={r.get('rc')}, timed_out={r.get('timed_out')})"
+        left = deadline - clock()
+        if (j["mode"] == "kit" and j["model"] == "moe" and part is not None and part.get("status") == "init_failed"
+                and left >= need):
+            # The engine did not come up with the kit's MoE swapped in: try once more (a fresh
+            # process) with the RMSNorm swap only, so that kit mode still says something.
+            j["first_attempt"] = {"rc": r.get("rc"), "seconds": r.get("seconds"), "errors": part.get("errors")}
+            part_path.unlink()
+            r = launch("worker", cmd + ["--kit-no-moe"], worker_env(j["mode"]), left,
+                       out / "logs" / f"{j['model']}__{j['mode']}__no_moe.log")
+            j.update(retried_without_moe_swap=True, **{k: r.get(k) for k in ("rc", "seconds", "timed_out")})
+            j["log_tail"] = r.get("log_tail") if r.get("rc") != 0 else None
+            try:
+                part = json.loads(part_path.read_text())
+            except Exception:
+                part = None
+                j["error"] = f"no readable part file after the retry (rc={r.get('rc')})"
+        if part is not None:
+            parts.append(part)
+        write()
+    return extra
+
+
+def main(argv=None) -> int:
+    try:
+        a = parse_args(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.build:
+        return run_build(a)
+    if a.worker:
+        return run_worker(a)
+    if a.dry_run:
+        jobs = plan(a.models, a.modes)
+        print(json.dumps({"jobs": [{"model": m, "mode": mode, "env": {**BASE_ENV, **MODE_ENV[mode]},
+                                    "enforce_eager": mode == "kit" and not a.kit_compiled} for m, mode in jobs],
+                          "budget_s": a.budget_s, "min_job_s": MIN_JOB_S, "model_dir": a.model_dir,
+                          "experiments": EXPERIMENT_S}, indent=1))
+        return 0
+    extra = run_driver(a)
+    for j in extra["jobs"]:
+        print(f"{j['model']:>5} {j['mode']:<9} {j.get('status')}: rc={j.get('rc')} "
+              f"{j.get('seconds') or 0:.0f} s {j.get('skipped') or ''}", flush=True)
+    print(f"wrote {Path(a.out) / 'vllm_check.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

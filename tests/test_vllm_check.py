@@ -1,0 +1,356 @@
+"""CPU tests of :mod:`kernels.vllm_check`: everything except vLLM itself.
+
+Arguments, prompt generation, the bitwise comparisons, the merge into rows/checks, the budget
+and skip logic of the driver (with a fake clock and a fake launcher that writes the part files
+a worker would write), the process-group kill on timeout (a real subprocess), and the kit
+replacements of vLLM's RMSNorm and MoE forwards (on the Triton interpreter, against the kit's
+own ops)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import matmul as MM
+from kernels import moe as MOE
+from kernels import rms_norm as RN
+from kernels import vllm_check as V
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- arguments
+
+def test_args_defaults_and_plan_order():
+    a = V.parse_args(["--out", "x"])
+    assert a.models == ["dense", "moe"] and a.modes == ["default", "invariant", "kit"]
+    assert a.budget_s == 480.0 and a.attention_backend == "FLASH_ATTN"
+    assert V.plan(a.models, a.modes) == [("dense", "default"), ("dense", "invariant"), ("moe", "default"),
+                                         ("moe", "invariant"), ("dense", "kit"), ("moe", "kit")]
+    assert V.plan(["moe"], ["kit", "invariant"]) == [("moe", "invariant"), ("moe", "kit")]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--out", "x", "--models", "dense,foo"], "--models"),
+    (["--out", "x", "--models", ","], "--models"),
+    (["--out", "x", "--modes", "kit,kit"], "--modes"),
+    (["--out", "x", "--budget-s", "-5"], "--budget-s"),
+    (["--out", "x", "--budget-s", "nan"], "--budget-s"),
+    (["--out", "x", "--attention-backend", "FLASHINFER"], "--attention-backend"),
+    (["--out", "x", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    ([], "--out"),
+    (["--worker", "--mode", "kit", "--folder", "f", "--part", "p", "--deadline", "1"], "--model"),
+    (["--worker", "--model", "dense", "--mode", "fast", "--folder", "f", "--part", "p", "--deadline", "1"],
+     "--mode"),
+])
+def test_args_errors_name_the_argument(argv, needle):
+    with pytest.raises(ValueError, match=needle):
+        V.parse_args(argv)
+
+
+def test_main_returns_2_on_bad_args(capsys):
+    assert V.main(["--out", "x", "--modes", "turbo"]) == 2
+    assert "--modes" in capsys.readouterr().err
+
+
+def test_worker_env():
+    env = V.worker_env("default", {"VLLM_BATCH_INVARIANT": "1", "PATH": "/bin"})
+    assert "VLLM_BATCH_INVARIANT" not in env and env["PATH"] == "/bin"
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    for mode in ("invariant", "kit"):
+        assert V.worker_env(mode, {})["VLLM_BATCH_INVARIANT"] == "1"
+
+
+def test_imports_without_vllm_and_help():
+    code = "import sys, kernels.vllm_check; assert 'vllm' not in sys.modules, 'vllm imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "kernels.vllm_check", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "--budget-s" in r.stdout and "--modes" in r.stdout
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def test_prompts_are_deterministic():
+    assert V.random_prompt(50, 3) == V.random_prompt(50, 3) != V.random_prompt(50, 4)
+    p = V.random_prompt(1000, 9)
+    assert len(p) == 1000 and min(p) >= 2 and max(p) < V.VOCAB
+    assert len(V.target_prompt()) == V.TARGET_LEN and len(V.needle_prompt()) == V.NEEDLE_LEN
+    with pytest.raises(ValueError, match="length"):
+        V.random_prompt(0, 1)
+
+
+def test_batch_with():
+    tgt = V.target_prompt()
+    a = V.batch_with(tgt, 33, seed=7)
+    assert a == V.batch_with(tgt, 33, seed=7)
+    prompts, news, pos = a
+    assert len(prompts) == len(news) == 33 and prompts[pos] is tgt and news[pos] is None
+    others = [p for i, p in enumerate(prompts) if i != pos]
+    assert all(16 <= len(p) <= 400 for p in others) and len({tuple(p) for p in others}) == 32
+    assert all(4 <= n <= 96 for i, n in enumerate(news) if i != pos)
+    assert V.batch_with(tgt, 1, seed=1) == ([tgt], [None], 0)
+    assert V.batch_with(tgt, 33, seed=8)[0] != prompts
+    with pytest.raises(ValueError, match="n must"):
+        V.batch_with(tgt, 0, seed=1)
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+def test_compare():
+    t, lp = [5, 6, 7], [-1.5, -2.25, -0.125]
+    c = V.compare(t, lp, list(t), list(lp))
+    assert c["tokens_equal"] and c["logprobs_equal"] and c["logprobs_unequal"] == 0 and c["max_abs_diff"] == 0.0
+    assert c["first_token_diff"] is None and c["first_logprob_diff"] is None
+    lp2 = [-1.5, -2.25 + 2 ** -20, -0.125]
+    c = V.compare(t, lp, t, lp2)
+    assert c["tokens_equal"] and not c["logprobs_equal"] and c["first_logprob_diff"] == 1
+    assert c["logprobs_unequal"] == 1 and c["max_abs_diff"] == 2 ** -20
+    c = V.compare(t, lp, [5, 9, 7], lp)
+    assert not c["tokens_equal"] and c["first_token_diff"] == 1 and c["logprobs_equal"]
+    c = V.compare(t, lp, t[:2], lp[:2])  # a shorter completion is a difference
+    assert not c["tokens_equal"] and c["first_token_diff"] == 2 and c["logprobs_unequal"] == 1
+    nan = float("nan")
+    assert not V.compare([1], [nan], [1], [nan])["logprobs_equal"]
+
+
+def test_distinct():
+    a = ([1, 2], [-0.5, -0.25])
+    b = ([1, 2], [-0.5, -0.25 - 2 ** -30])
+    d = V.distinct([a, a, b])
+    assert d == {"n": 3, "unique_token_sequences": 1, "unique_logprob_sequences": 2}
+    assert V.distinct([a, a])["unique_logprob_sequences"] == 1
+    assert V.distinct([a, ([3, 2], [-0.5, -0.25])])["unique_token_sequences"] == 2
+
+
+def test_decode_vs_prefill():
+    prompt_len = 4
+    toks, lps = [10, 11, 12], [-1.0, -2.0, -3.0]
+    plp = [None, -9.0, -9.0, -9.0, -1.0, -2.0]  # prompt (4) + toks[:-1]
+    r = V.decode_vs_prefill(toks, lps, prompt_len, plp, 12, -3.0)
+    assert r["positions"] == 3 and r["equal_positions"] == 3 and r["first_unequal"] is None
+    assert r["last_token_equal"] and r["max_abs_diff"] == 0.0
+    r = V.decode_vs_prefill(toks, lps, prompt_len, [None, -9.0, -9.0, -9.0, -1.0, -2.5], 12, -3.0 + 2 ** -10)
+    assert r["equal_positions"] == 1 and r["first_unequal"] == 1 and r["max_abs_diff"] == 0.5
+    assert r["prefill_logprobs"] == [-1.0, -2.5, -3.0 + 2 ** -10]
+
+
+# ----------------------------------------------------------------------------- merge
+
+def _part(model, mode, *, bs_equal=True, unique=1, dvp_equal=True, calls=None, status="done"):
+    runs = [{"batch_size": n, "tokens_equal": True, "logprobs_equal": bs_equal,
+             "max_abs_diff": 0.0 if bs_equal else 0.03} for n in V.BATCH_SIZES[1:]]
+    swapped = {"RMSNorm": "KitRMSNorm", "UnquantizedFusedMoEMethod": "KitMoEMethod"} if mode == "kit" else None
+    return {"model": model, "mode": mode, "status": status, "init_s": 30.0, "swapped": swapped,
+            "engine": {"enforce_eager": mode == "kit"}, "kit_calls": calls or {},
+            "experiments": {
+                "bs": {"runs": runs, "all_equal": bs_equal},
+                "needle": {"n": 5, "unique_token_sequences": 1, "unique_logprob_sequences": unique},
+                "decode_vs_prefill": {"positions": 48, "equal_positions": 48 if dvp_equal else 40,
+                                      "max_abs_diff": 0.0 if dvp_equal else 0.01},
+                "throughput": {"error": "Traceback ...: boom"}}}
+
+
+def _checks_by_suffix(checks, label):
+    return {c["name"]: c for c in checks if c["name"].startswith(label)}
+
+
+def test_rows_and_checks():
+    parts = [_part("dense", "default", bs_equal=False, unique=3, dvp_equal=False),
+             _part("dense", "invariant"),
+             _part("moe", "invariant", bs_equal=False),
+             _part("moe", "kit", calls={"rms_norm": 10, "fused_add_rms_norm": 20, "moe": 5})]
+    for r in parts[-1]["experiments"].values():  # per-experiment counters: the MoE one stayed 0
+        r["kit_calls"] = {"rms_norm": 3, "fused_add_rms_norm": 6, "moe": 0}
+    jobs = [{"model": p["model"], "mode": p["mode"], "status": "ran"} for p in parts]
+    jobs.append({"model": "dense", "mode": "kit", "status": "skipped", "skipped": "budget: 12 s left"})
+    rows, checks = V.rows_and_checks(parts, jobs)
+    assert len(rows) == 4 * len(V.EXPERIMENTS)
+    assert {r["op"] for r in rows} == {f"vllm_{e}" for e in V.EXPERIMENTS}
+    assert all(r["impl"] in V.MODES and r["model"] in V.MODEL_NAMES for r in rows)
+    assert any("error" in r for r in rows if r["op"] == "vllm_throughput")
+    d = list(_checks_by_suffix(checks, "dense default").values())
+    assert all(c["informational"] for c in d) and d[0]["differs"] is True and d[0]["max_abs_diff"] == 0.03
+    di = _checks_by_suffix(checks, "dense invariant")
+    assert len(di) == 3 and all(c["passed"] for c in di.values())
+    mi = _checks_by_suffix(checks, "moe invariant")
+    assert [c["passed"] for c in mi.values()] == [False, True, True]
+    mk = [c for c in checks if c["name"].startswith("moe kit") and "kit's kernels" in c["name"]]
+    assert len(mk) == 1 and mk[0]["passed"] is False  # the MoE counter stayed 0
+    dk = _checks_by_suffix(checks, "dense kit")
+    assert list(dk.values()) == [{"name": "dense kit: the worker produced results", "passed": False,
+                                  "reason": "budget: 12 s left"}]
+
+
+def test_rows_and_checks_failed_init_and_partial_worker():
+    init_failed = {"model": "dense", "mode": "invariant", "status": "init_failed", "experiments": {}}
+    partial = {"model": "moe", "mode": "invariant", "status": "initialized",
+               "experiments": {"bs": {"runs": [], "all_equal": True}}}
+    jobs = [{"model": "dense", "mode": "invariant", "status": "ran"}, {"model": "moe", "mode": "invariant",
+                                                                       "status": "ran"}]
+    rows, checks = V.rows_and_checks([init_failed, partial], jobs)
+    assert checks[0]["passed"] is False and checks[0]["reason"] == "init_failed"
+    names = [c["name"] for c in checks[1:]]
+    by = {c["name"]: c for c in checks[1:]}
+    assert by[names[0]]["passed"] is True                      # bs ran and was equal
+    assert by[names[1]]["passed"] is False                     # needle missing: not a pass
+    assert by[names[2]]["passed"] is False                     # decode/prefill missing: not a pass
+    assert any(r.get("missing") for r in rows)
+
+
+# ----------------------------------------------------------------------------- driver / budget
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _args(tmp_path, *extra):
+    return V.parse_args(["--out", str(tmp_path / "out"), "--model-dir", str(tmp_path / "models"), *extra])
+
+
+def test_driver_budget_skips_and_incremental_saves(tmp_path):
+    clock = FakeClock()
+    calls, saves = [], []
+
+    def launch(kind, cmd, env, timeout, log):
+        calls.append((kind, timeout, env.get("VLLM_BATCH_INVARIANT")))
+        if kind == "build":
+            clock.t += 10
+            return {"rc": 0, "seconds": 10}
+        model, mode = cmd[cmd.index("--model") + 1], cmd[cmd.index("--mode") + 1]
+        assert float(cmd[cmd.index("--deadline") + 1]) == 1000.0 + 300 - 5.0
+        clock.t += 100
+        part = Path(cmd[cmd.index("--part") + 1])
+        V._write_json(part, _part(model, mode, calls={"rms_norm": 1, "fused_add_rms_norm": 1, "moe": 1}))
+        return {"rc": 0, "seconds": 100, "timed_out": False}
+
+    def save(rows, checks, extra):
+        saves.append((len(rows), len(checks), json.loads(json.dumps(extra["jobs"]))))
+
+    extra = V.run_driver(_args(tmp_path, "--budget-s", "300"), launch=launch, clock=clock, save=save)
+    st = [(j["model"], j["mode"], j["status"]) for j in extra["jobs"]]
+    assert st == [("dense", "default", "ran"), ("dense", "invariant", "ran"), ("moe", "default", "ran"),
+                  ("moe", "invariant", "skipped"), ("dense", "kit", "skipped"), ("moe", "kit", "skipped")]
+    assert [c[1] for c in calls] == [300, 290, 190, 90]          # each timeout = what is left
+    assert [c[2] for c in calls[1:]] == [None, "1", None]        # mode environments
+    assert len(saves) == 1 + 6                                   # after the build and every job
+    assert saves[1][0] == len(V.EXPERIMENTS) and saves[-1][0] == 3 * len(V.EXPERIMENTS)
+    assert all("budget" in j["skipped"] for j in extra["jobs"][3:])
+
+
+def test_driver_worker_failures_are_recorded(tmp_path):
+    clock = FakeClock()
+
+    def launch(kind, cmd, env, timeout, log):
+        clock.t += 5
+        if kind == "build":
+            return {"rc": 0}
+        if "dense" in cmd:
+            raise OSError("cannot start")
+        return {"rc": 1, "seconds": 5, "timed_out": False, "log_tail": "Traceback: CUDA error"}
+
+    extra = V.run_driver(_args(tmp_path, "--modes", "invariant"), launch=launch, clock=clock)
+    doc = json.loads((tmp_path / "out" / "vllm_check.json").read_text())
+    assert set(doc) >= {"provenance", "rows", "checks", "jobs", "plan", "build"}
+    assert doc["rows"] == [] and len(doc["checks"]) == 2 and not any(c["passed"] for c in doc["checks"])
+    dense, moe = extra["jobs"]
+    assert "cannot start" in dense["error"] and moe["rc"] == 1 and "CUDA error" in moe["log_tail"]
+    assert "no readable part file" in moe["error"]
+
+
+def test_driver_build_failure_skips_everything(tmp_path):
+    def launch(kind, cmd, env, timeout, log):
+        assert kind == "build"
+        return {"rc": 1, "log_tail": "OOM"}
+
+    saved = []
+    extra = V.run_driver(_args(tmp_path), launch=launch, clock=FakeClock(),
+                         save=lambda r, c, e: saved.append(c))
+    assert all(j["status"] == "skipped" and "build failed" in j["skipped"] for j in extra["jobs"])
+    assert len(saved[-1]) == 6 and not any(c["passed"] for c in saved[-1])
+
+
+def test_run_subprocess_kills_the_group_on_timeout(tmp_path):
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(60)']); print('started', flush=True); time.sleep(60)")
+    r = V.run_subprocess([sys.executable, "-c", code], dict(os.environ), 2.0, tmp_path / "log.txt")
+    assert r["timed_out"] and r["rc"] != 0 and r["seconds"] < 30 and "started" in r["log_tail"]
+    r = V.run_subprocess([sys.executable, "-c", "print('ok')"], dict(os.environ), 30.0, tmp_path / "ok.txt")
+    assert r == {**r, "rc": 0, "timed_out": False} and "ok" in r["log_tail"]
+
+
+# ----------------------------------------------------------------------------- kit replacements
+
+def test_kit_rms_norm_forward_matches_the_kit_ops():
+    g = torch.Generator().manual_seed(0)
+    T, hq, d = 5, 3, 32
+    qkv = torch.randn(T, (hq + 2) * d, generator=g)
+    q = qkv[:, :hq * d].view(T, hq, d)                 # strided, like Qwen3's q_by_head
+    w = 1 + 0.1 * torch.randn(d, generator=g)
+    out = V.kit_rms_norm_forward(q, w, 1e-6)
+    assert out.shape == q.shape
+    ref = RN.rms_norm(q.reshape(-1, d).contiguous(), w, 1e-6, impl="invariant").view(T, hq, d)
+    assert torch.equal(out, ref)
+    x, r = (torch.randn(T, 64, generator=g) for _ in range(2))
+    wh = 1 + 0.1 * torch.randn(64, generator=g)
+    before = dict(V.KIT_CALLS)
+    o, z = V.kit_rms_norm_forward(x, wh, 1e-5, residual=r)
+    o2, z2 = RN.fused_add_rms_norm(x, r, wh, 1e-5, impl="invariant")
+    assert torch.equal(o, o2) and torch.equal(z, z2)
+    assert V.KIT_CALLS["fused_add_rms_norm"] == before["fused_add_rms_norm"] + 1
+    o3 = V.kit_rms_norm_forward(x, wh.double(), 1e-5)   # the weight follows x's dtype
+    assert torch.equal(o3, RN.rms_norm(x, wh, 1e-5)) and V.KIT_CALLS["weight_casts"] == before["weight_casts"] + 1
+
+
+def test_kit_moe_from_logits_matches_fused_moe():
+    g = torch.Generator().manual_seed(1)
+    T, H, E, inter, k = 6, 32, 4, 16, 2
+    x = torch.randn(T, H, generator=g)
+    router = torch.randn(E, H, generator=g) * H ** -0.5
+    w13 = torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5   # vLLM's w13_weight: gate rows, then up
+    w2 = torch.randn(E, H, inter, generator=g) * inter ** -0.5    # vLLM's w2_weight
+    logits = MM.linear(x, router, impl="invariant")
+    n0 = V.KIT_CALLS["moe"]
+    out = V.kit_moe_from_logits(x, logits, w13, w2, k, True)
+    assert V.KIT_CALLS["moe"] == n0 + 1
+    assert torch.equal(out, MOE.fused_moe(x, router, w13, w2, k, renormalize=True, impl="invariant"))
+
+
+def test_driver_retries_moe_kit_without_the_moe_swap(tmp_path):
+    clock = FakeClock()
+    cmds = []
+
+    def launch(kind, cmd, env, timeout, log):
+        clock.t += 20
+        if kind == "build":
+            return {"rc": 0}
+        cmds.append(cmd)
+        part = Path(cmd[cmd.index("--part") + 1])
+        if "--kit-no-moe" not in cmd:
+            V._write_json(part, {"model": "moe", "mode": "kit", "status": "init_failed", "experiments": {},
+                                 "errors": [{"stage": "init", "traceback": "NotImplementedError: kit MoE"}]})
+            return {"rc": 3, "seconds": 20, "log_tail": "..."}
+        p = _part("moe", "kit", calls={"rms_norm": 1, "fused_add_rms_norm": 1})
+        p["swapped"] = {"RMSNorm": "KitRMSNorm"}
+        for r in p["experiments"].values():
+            r["kit_calls"] = {"rms_norm": 2, "fused_add_rms_norm": 2, "moe": 0}
+        V._write_json(part, p)
+        return {"rc": 0, "seconds": 20}
+
+    saved = []
+    extra = V.run_driver(_args(tmp_path, "--models", "moe", "--modes", "kit"), launch=launch, clock=clock,
+                         save=lambda r, c, e: saved.append(c))
+    job = extra["jobs"][0]
+    assert len(cmds) == 2 and "--kit-no-moe" in cmds[1] and job["retried_without_moe_swap"]
+    assert "kit MoE" in job["first_attempt"]["errors"][0]["traceback"] and job["rc"] == 0
+    kit = [c for c in saved[-1] if "kit's kernels" in c["name"]]
+    assert len(kit) == 1 and kit[0]["passed"] and "moe" not in kit[0]["name"].split("> 0:")[1]
