@@ -750,7 +750,8 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
         from . import results
 
         def save(rows, checks, extra):
-            return results.save("vllm_check", rows, checks, folder=out, extra=extra)
+            return results.save("vllm_check", rows, checks, folder=out, extra=extra,
+                                command="python -m kernels.vllm_check " + " ".join(sys.argv[1:]))
 
     t_start = clock()
     deadline = t_start + a.budget_s
