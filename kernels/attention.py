@@ -39,9 +39,23 @@ in the same way, whichever launch it is part of:
    goes through the merge kernel (``out = acc / l``), so there is one path for every row.
 
 A program's query tile holds ``q_tile`` consecutive tokens of one sequence times the q heads
-of one kv head (the rows of ``tl.dot``); the tile shape is the same constexpr in every launch
-(decode fills one token of it), so prefill and decode run the *same compiled kernel* with the
-same per-row arithmetic; rows never mix (every reduction is along a row).
+of one kv head (the rows of ``tl.dot``); rows never mix (every reduction is along a row).
+
+Decode tiles
+------------
+A one-token step (decode) fills only ``q_heads / kv_heads`` rows of a tile (4 of 64 with 32 q
+and 8 kv heads): the other rows are masked work, and at large batches that work is most of
+the time (H200 sweep, ``attention_tune``).  So with ``decode_block_m`` set (the GPU default:
+16 rows) a launch runs its one-token steps in a second launch of the *same kernel source* with
+a smaller tile.  Which tile a token gets depends on its own step only (``q_len == 1``), never on
+the batch, so batch invariance is untouched.  What changes is the argument for prefill ==
+decode: with one tile shape it held by construction (the same compiled kernel); with two it
+rests on the per-row arithmetic of ``tl.dot`` being the same for a 16-row and a 64-row tile
+(each output row is the same fp32 accumulation over the same k-steps; the tensor-core
+instruction may differ).  That is *measured*, not assumed: property (d) of
+:mod:`kernels.attention_bench` compares every position of an 8k prompt, prefill vs decode,
+bitwise on the H200, and the CPU tests do the same under the interpreter.  ``decode_block_m
+= None`` restores the single-shape kernel.
 
 Chunk alignment rule (enforced)
 -------------------------------
@@ -120,17 +134,22 @@ IMPLS = ("invariant", "variant", "reference", "sdpa")
 @dataclass(frozen=True)
 class AttnConfig:
     """The reduction schedule: KV tile ``block_n``, rows per program ``block_m`` (query tokens
-    times q heads per kv head), ``split_size`` keys per split (a multiple of ``block_n``)."""
+    times q heads per kv head), ``split_size`` keys per split (a multiple of ``block_n``).
+    ``decode_block_m``: rows per program for the one-token steps of a launch (decode), or
+    ``None`` to use ``block_m`` for them too (see "Decode tiles" in the module docstring)."""
 
     block_n: int = 64
     block_m: int = 64
     split_size: int = 512
     num_warps: int = 4
     num_stages: int = 2
+    decode_block_m: int | None = None
 
     def __post_init__(self):
-        for name in ("block_n", "block_m"):
+        for name in ("block_n", "block_m", "decode_block_m"):
             v = getattr(self, name)
+            if name == "decode_block_m" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
         if (isinstance(self.split_size, bool) or not isinstance(self.split_size, int) or self.split_size < 1
@@ -142,10 +161,11 @@ class AttnConfig:
         return asdict(self)
 
 
-#: Compiled on a GPU: 64-key tiles, 64-row programs, 512-key splits.
-DEFAULT_CONFIG = AttnConfig(64, 64, 512)
+#: Compiled on a GPU: 64-key tiles, 64-row programs (16-row programs for decode steps),
+#: 512-key splits.
+DEFAULT_CONFIG = AttnConfig(64, 64, 512, decode_block_m=16)
 #: Under the interpreter: small tiles so that short test contexts cross tile and split bounds.
-INTERPRETER_CONFIG = AttnConfig(32, 32, 64)
+INTERPRETER_CONFIG = AttnConfig(32, 32, 64, decode_block_m=16)
 
 
 def default_config() -> AttnConfig:
@@ -160,12 +180,14 @@ def _cfg(config) -> AttnConfig:
     return config
 
 
-def query_tile(q_heads: int, kv_heads: int, config: AttnConfig | None = None) -> tuple:
+def query_tile(q_heads: int, kv_heads: int, config: AttnConfig | None = None, *, decode: bool = False) -> tuple:
     """``(q_tile, qpk_pad)``: tokens per program and padded q heads per kv head.  A function of
-    the head layout and the config only (never of the batch)."""
+    the head layout, the config and whether the step is a one-token (decode) step: never of the
+    batch.  ``decode=True`` uses ``decode_block_m`` when the config sets one."""
     cfg = _cfg(config)
+    bm = cfg.decode_block_m if decode and cfg.decode_block_m is not None else cfg.block_m
     qpk_pad = triton.next_power_of_2(q_heads // kv_heads)
-    q_tile = max(1, min(cfg.block_m // qpk_pad, cfg.block_n)) if qpk_pad <= cfg.block_m else 1
+    q_tile = max(1, min(bm // qpk_pad, cfg.block_n)) if qpk_pad <= bm else 1
     return q_tile, qpk_pad
 
 
@@ -549,6 +571,10 @@ class AttnPlan:
     split_t: torch.Tensor
     ws_acc: torch.Tensor
     ws_ml: torch.Tensor
+    #: the one-token steps' tiles when the config has a ``decode_block_m`` (else empty)
+    dec_q_tile: int = 1
+    dec_tile_seq: torch.Tensor | None = None
+    dec_tile_tok: torch.Tensor | None = None
 
 
 def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: str = "invariant",
@@ -558,13 +584,19 @@ def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: 
     cfg = _cfg(config)
     T, hq, d = q.shape
     q_tile, qpk_pad = query_tile(hq, kv_heads, cfg)
+    dec_q_tile, _ = query_tile(hq, kv_heads, cfg, decode=True)
     split = split_plan(seq_lens, kv_heads, impl=impl, config=cfg)
     tile_seq, tile_tok, tok_seq, tok_pos = [], [], [], []
+    dec_seq, dec_tok = [], []
     for s in range(len(seq_lens)):
         a, b = query_start_loc[s], query_start_loc[s + 1]
-        for t0 in range(a, b, q_tile):
-            tile_seq.append(s)
-            tile_tok.append(t0)
+        if b - a == 1 and cfg.decode_block_m is not None:  # a one-token step: a decode tile
+            dec_seq.append(s)
+            dec_tok.append(a)
+        else:
+            for t0 in range(a, b, q_tile):
+                tile_seq.append(s)
+                tile_tok.append(t0)
         tok_seq += [s] * (b - a)
         tok_pos += list(range(seq_lens[s] - (b - a), seq_lens[s]))
     max_splits = max(triton.cdiv(n, sp) for n, sp in zip(seq_lens, split))
@@ -574,22 +606,31 @@ def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: 
                     torch.tensor(tile_seq, **i32), torch.tensor(tile_tok, **i32), torch.tensor(tok_seq, **i32),
                     torch.tensor(tok_pos, **i32), torch.tensor(split, **i32),
                     torch.empty((T * hq * max_splits, d_pad), dtype=torch.float32, device=q.device),
-                    torch.empty((T * hq * max_splits, 2), dtype=torch.float32, device=q.device))
+                    torch.empty((T * hq * max_splits, 2), dtype=torch.float32, device=q.device),
+                    dec_q_tile, torch.tensor(dec_seq, **i32), torch.tensor(dec_tok, **i32))
 
 
 def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out):
-    """The two kernel launches of :func:`attention` for a prepared plan (no validation, no host
-    synchronisation: the benchmark times this, and it can be captured in a CUDA graph)."""
+    """The kernel launches of :func:`attention` for a prepared plan: the split kernel over the
+    multi-token tiles and over the decode tiles (each launched when it has tiles), then the
+    merge (no validation, no host synchronisation: the benchmark times this, and it can be
+    captured in a CUDA graph)."""
     cfg = plan.config
     T, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     d_pad = plan.ws_acc.shape[1]
-    _attn_split_kernel[(plan.tile_seq.shape[0], hkv, plan.max_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, plan.tile_seq, plan.tile_tok, plan.split_t,
-        plan.ws_acc, plan.ws_ml, scale, plan.max_splits, hq,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-        QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=plan.q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
-        D_PAD=d_pad, UPCAST=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    groups = [(plan.tile_seq, plan.tile_tok, plan.q_tile)]
+    if plan.dec_tile_seq is not None:
+        groups.append((plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_q_tile))
+    for tile_seq, tile_tok, q_tile in groups:
+        if tile_seq.shape[0] == 0:
+            continue
+        _attn_split_kernel[(tile_seq.shape[0], hkv, plan.max_splits)](
+            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, tile_seq, tile_tok, plan.split_t,
+            plan.ws_acc, plan.ws_ml, scale, plan.max_splits, hq,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+            QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
+            D_PAD=d_pad, UPCAST=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _attn_merge_kernel[(T, hq)](plan.ws_acc, plan.ws_ml, out, plan.tok_seq, plan.tok_pos, plan.split_t,
                                 plan.max_splits, hq, out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad,
                                 num_warps=1)

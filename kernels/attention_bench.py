@@ -208,12 +208,16 @@ def bench(quick: bool) -> tuple:
     return rows, checks
 
 
-#: Candidate schedules for :func:`tune` (block_n, block_m, split_size, num_warps, num_stages).
+#: Candidate schedules for :func:`tune` (block_n, block_m, split_size, num_warps, num_stages[,
+#: decode_block_m]).
 #: Each one is invariant by construction (a fixed schedule); the sweep only chooses speed.
 TUNE_CONFIGS = [(64, 64, 512, 4, 2), (64, 64, 256, 4, 2), (64, 64, 1024, 4, 2), (64, 64, 2048, 4, 2),
                 (64, 64, 512, 4, 3), (64, 64, 512, 8, 2), (64, 32, 512, 4, 2), (64, 16, 512, 4, 2),
                 (32, 32, 512, 4, 2), (128, 64, 1024, 8, 2), (128, 64, 1024, 4, 2), (128, 64, 2048, 8, 3),
-                (64, 16, 1024, 4, 3), (32, 16, 256, 4, 2)]
+                (64, 16, 1024, 4, 3), (32, 16, 256, 4, 2),
+                # with 16-row decode tiles (the sixth field: decode_block_m)
+                (64, 64, 512, 4, 2, 16), (64, 64, 256, 4, 2, 16), (64, 64, 1024, 4, 2, 16), (64, 64, 512, 4, 3, 16),
+                (64, 32, 512, 4, 2, 16)]
 
 
 def tune(quick: bool) -> tuple:

@@ -217,6 +217,42 @@ def test_d_prefill_equals_decode_at_every_position(dtype):
         assert bitwise_equal(one[0], pre[t]), t
 
 
+def test_d_decode_tiles_equal_the_single_shape_kernel():
+    """The config's 16-row decode tiles (one-token steps in their own launch) give the same bits
+    as running those steps in the prefill-shaped tile (``decode_block_m=None``), in a mixed
+    batch of decodes and a prefill chunk; and the plan really puts the one-token steps in the
+    decode group."""
+    assert CFG.decode_block_m is not None
+    single = A.AttnConfig(CFG.block_n, CFG.block_m, CFG.split_size, CFG.num_warps, CFG.num_stages)
+    dtype = torch.bfloat16
+    c = Cache(dtype, seed=3)
+    steps = []
+    for r, n in enumerate(LENS):
+        q, k, v = _seq(5, r, n, dtype)
+        c.write(r, k, v, 0)
+        steps.append((r, q[-1:], n))
+    qp, kp, vp = _seq(5, 99, 2 * BN, dtype)  # a 2-tile prefill chunk in the same launch
+    c.write("p", kp, vp, 0)
+    steps.append(("p", qp, 2 * BN))
+    width = max(len(c.tables[n]) for n, _, _ in steps)
+    bt = torch.zeros((len(steps), width), dtype=torch.int32)
+    for i, (n, _, _) in enumerate(steps):
+        bt[i, :len(c.tables[n])] = torch.tensor(c.tables[n], dtype=torch.int32)
+    q = torch.cat([s[1] for s in steps])
+    lens = [s[2] for s in steps]
+    qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
+    plan = A.make_plan(q, HKV, lens, qsl, config=CFG)
+    assert plan.dec_tile_seq.tolist() == list(range(len(LENS))), "one-token steps must be decode tiles"
+    assert plan.tile_seq.tolist() == [len(LENS)] * (2 * BN // plan.q_tile)
+    args = (q, c.k, c.v, bt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
+            torch.tensor(qsl, dtype=torch.int32, device=DEV))
+    two = A.attention(*args, config=CFG)
+    one = A.attention(*args, config=single)
+    assert bitwise_equal(two, one)
+    with pytest.raises(ValueError, match="decode_block_m"):
+        A.AttnConfig(decode_block_m=24)
+
+
 # ---------------------------------------------------------------------------------------------
 # accuracy, guards, bad input
 # ---------------------------------------------------------------------------------------------
