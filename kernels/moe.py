@@ -13,7 +13,7 @@ The pipeline of one MoE layer (Qwen3-MoE / Mixtral / DeepSeek style), one public
 3. :func:`grouped_gemm`  each block multiplies its rows by its expert's weight: gate/up with
    SiLU-and-mul fused (``silu(x W_g^T) * (x W_u^T)``, one rounding), then down;
 4. :func:`combine`  a token's output = sum over its k experts of ``weight * y`` in rank order
-   ``k = 0..top_k-1`` in fp32, rounded once.
+   ``k = 0..top_k-1`` in fp32, rounded once (:func:`combine_launch` gives its launch).
 
 :func:`fused_moe` runs all four, the gating matmul (``x @ router_weight.T``, by
 :func:`kernels.matmul.linear`) first.
@@ -32,7 +32,10 @@ The pipeline of one MoE layer (Qwen3-MoE / Mixtral / DeepSeek style), one public
   sum), the gating matmul is :func:`kernels.matmul` 's split-K variant, and the grouped GEMM takes
   ``BLOCK_K`` and split-K from a table keyed by tokens per expert (:data:`VARIANT_TABLE`, as
   tuned tables do: vLLM's fused-MoE JSON configs pick ``BLOCK_SIZE_K`` by M; split-K for thin
-  loads is the other common knob).  It fails the invariance check (negative control);
+  loads is the other common knob), and the combine is launched decode-style for few tokens: a
+  token's k contributions are spread over 4 or 2 ``lanes`` (lane ``l`` sums ranks ``l, l +
+  lanes, ...``, then the lanes are added), one chain for large batches (:func:`combine_launch`).
+  It fails the invariance check (negative control);
 * ``"reference"``: float64 torch from the gating logits (rounded to ``x``'s dtype like the
   kernels' logits) to the output, one rounding at the end.
 
@@ -71,6 +74,7 @@ __all__ = [
     "tokens_per_expert",
     "select_config",
     "router_launch",
+    "combine_launch",
     "launch_info",
     "route",
     "dispatch",
@@ -154,6 +158,32 @@ def router_launch(num_tokens: int, num_experts: int, impl: str = "invariant") ->
             return {"block_t": 1, "block_e": block_e, "num_warps": 1, "lanes": min(32, block_e)}
         return {"block_t": 16, "block_e": block_e, "num_warps": 4, "lanes": min(4, block_e)}
     return {"block_t": 16, "block_e": block_e, "num_warps": 4 if block_e <= 256 else 8, "lanes": 0}
+
+
+def combine_launch(num_tokens: int, top_k: int, hidden: int, impl: str = "invariant") -> dict:
+    """Tokens per program (``block_t``), columns per program (``block_h``), ``num_warps`` and
+    ``lanes`` of the combine kernel.  ``lanes`` = 1: a token's ``k`` terms ``w_r * y_r`` are
+    added in one chain, rank 0 first.  ``lanes`` = L > 1: lane ``l`` sums ranks ``l, l + L,
+    ...`` (in rank order), then the L partials are added in lane order: another tree.
+
+    Invariant: a function of ``hidden`` only (``lanes`` 1).  Variant, like a combine tuned for
+    decode: a few tokens give too few (token, column-block) programs to fill the GPU, so each
+    program takes one token (or 4) and spreads its k ranks over 4 (or 2) lanes; from 65
+    tokens up there is parallelism enough along the tokens and the ranks are one chain again.
+    (The tree differs from the chain only when ``1 < lanes < top_k``, e.g. top-8 (Qwen3-MoE,
+    DeepSeek-V3): with ``lanes >= top_k`` every lane holds one term and the lanes are added in
+    rank order, the chain; so ``lanes`` is capped at ``top_k``.  With top-2, as in the kit's
+    small tests, both are ``w_0 y_0 + w_1 y_1`` unless a compiler fuses ``part + w * y`` into
+    one FMA: there the variant layer's bits move through its router and GEMMs.)"""
+    _check_impl(impl)
+    num_tokens = checks.positive_int("num_tokens", num_tokens)
+    top_k = checks.positive_int("top_k", top_k)
+    hidden = checks.positive_int("hidden", hidden)
+    block_h = min(256, triton.next_power_of_2(hidden))
+    if impl == "variant" and num_tokens <= 64:
+        block_t, lanes = (1, 4) if num_tokens <= 8 else (4, 2)
+        return {"block_t": block_t, "block_h": block_h, "num_warps": 4, "lanes": min(lanes, top_k)}
+    return {"block_t": 16, "block_h": block_h, "num_warps": 4, "lanes": 1}
 
 
 def _check_impl(impl):
@@ -512,28 +542,44 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, disp: Dispatch, *, activation
 
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, out_ptr, T, H, s_ym, s_om, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
-    """BLOCK_T tokens x BLOCK_H columns; each element is its own fp32 chain over the ranks."""
+                    BLOCK_H: tl.constexpr, LANES: tl.constexpr):
+    """BLOCK_T tokens x BLOCK_H columns; each element is its own fp32 sum over the ranks: one
+    chain in rank order (LANES = 1, the invariant), or LANES strided chains then added (variant)."""
     toks = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tmask = toks < T
     mask = tmask[:, None] & (cols < H)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-    for r in tl.static_range(TOPK):  # rank order 0, 1, ..., TOPK-1
-        wt = tl.load(w_ptr + toks * TOPK + r, mask=tmask, other=0.0)
-        y = to_f32(tl.load(y_ptr + (toks * TOPK + r)[:, None] * s_ym + cols[None, :], mask=mask, other=0.0))
-        acc = acc + wt[:, None] * y
+    if LANES == 1:
+        for r in tl.static_range(TOPK):  # rank order 0, 1, ..., TOPK-1
+            wt = tl.load(w_ptr + toks * TOPK + r, mask=tmask, other=0.0)
+            y = to_f32(tl.load(y_ptr + (toks * TOPK + r)[:, None] * s_ym + cols[None, :], mask=mask, other=0.0))
+            acc = acc + wt[:, None] * y
+    else:
+        for lane in tl.static_range(LANES):  # lane l: ranks l, l + LANES, ...; then lane order
+            part = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+            for r in tl.static_range(lane, TOPK, LANES):
+                wt = tl.load(w_ptr + toks * TOPK + r, mask=tmask, other=0.0)
+                y = to_f32(tl.load(y_ptr + (toks * TOPK + r)[:, None] * s_ym + cols[None, :], mask=mask,
+                                   other=0.0))
+                part = part + wt[:, None] * y
+            acc = acc + part
     tl.store(out_ptr + toks[:, None] * s_om + cols[None, :], from_f32(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine(y: torch.Tensor, topk_weights: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[t] = sum_{r=0}^{k-1} topk_weights[t, r] * y[t * k + r]`` in fp32, in rank order,
-    rounded once to ``y``'s dtype.  ``y`` (T*k, H), ``topk_weights`` fp32 (T, k) -> (T, H).
-    The same kernel serves every impl (it has one schedule)."""
+def combine(y: torch.Tensor, topk_weights: torch.Tensor, *, impl: str = "invariant",
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_{r=0}^{k-1} topk_weights[t, r] * y[t * k + r]`` in fp32, rounded once to
+    ``y``'s dtype.  ``y`` (T*k, H), ``topk_weights`` fp32 (T, k) -> (T, H).
+
+    ``impl``: "invariant" (one chain in rank order whatever ``T``), "variant" (the ranks spread
+    over lanes chosen from ``T``, :func:`combine_launch`: the negative control) or "reference"
+    (float64 sum, rounded once).  ``out``: optional, contiguous, of ``y``'s dtype."""
+    _check_impl(impl)
     checks.tensor("y", y, dim=2)
     checks.tensor("topk_weights", topk_weights, dtypes=(torch.float32,), dim=2)
     checks.same_device("topk_weights", topk_weights, "y", y)
-    _on_kernel_device("y", y, "invariant")
+    _on_kernel_device("y", y, impl)
     T, k = topk_weights.shape
     if y.shape[0] != T * k:
         raise ValueError(f"y must have {T * k} rows (tokens x top_k), got {y.shape[0]}")
@@ -542,9 +588,14 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, *, out: torch.Tensor | 
         out = torch.empty((T, H), dtype=y.dtype, device=y.device)
     else:
         _check_out("out", out, (T, H), y.dtype, y)
-    bt, bh = 16, min(256, triton.next_power_of_2(H))
+    if impl == "reference":
+        ref = (topk_weights.double().unsqueeze(-1) * y.double().view(T, k, H)).sum(1)
+        return out.copy_(ref.to(y.dtype))
+    lc = combine_launch(T, k, H, impl)
+    bt, bh = lc["block_t"], lc["block_h"]
     _combine_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](y, topk_weights, out, T, H, y.stride(0), out.stride(0),
-                                                              TOPK=k, BLOCK_T=bt, BLOCK_H=bh, num_warps=4)
+                                                              TOPK=k, BLOCK_T=bt, BLOCK_H=bh, LANES=lc["lanes"],
+                                                              num_warps=lc["num_warps"])
     return out
 
 
@@ -598,7 +649,8 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     then up rows); ``w_down`` (E, H, I); all of one float dtype, contiguous -> (T, H).
 
     ``logits = x @ router_weight.T`` (the kit's matmul, same ``impl``), :func:`route`,
-    :func:`dispatch`, :func:`grouped_gemm` (gate/up + SiLU-and-mul, then down), :func:`combine`.
+    :func:`dispatch`, :func:`grouped_gemm` (gate/up + SiLU-and-mul, then down), :func:`combine`,
+    each with the same ``impl``.
     ``config`` forces the grouped-GEMM launch (for the invariant kernel: any M/N tile, same bits)."""
     _check_moe_inputs(x, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, impl)
     if impl == "reference":
@@ -611,7 +663,7 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     disp = dispatch(ids, E, cfg.block_m, validate=False)
     h = grouped_gemm(x, w_gate_up, disp, activation="silu_mul", gather_tokens=True, impl=impl, config=cfg)
     y = grouped_gemm(h, w_down, disp, impl=impl, config=cfg)
-    return combine(y, weights)
+    return combine(y, weights, impl=impl)
 
 
 def launch_info(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype = torch.bfloat16,

@@ -37,6 +37,20 @@ is a function of the row length only, never of the number of rows):
   ``acc[j] += e[c*BLOCK + j]`` over the row's chunks in order, then one ``tl.sum(acc)``;
 * :func:`mean`: ``sum(x) / L`` (``tl.div_rn``) with the same chunked sum, over the last dim
   or any set of dims (moved last and collapsed into one row length ``L``).
+
+Each has a *variant twin*, ``impl="variant"`` (the negative control: the same invariance check
+must catch it).  The variant is launched the way production reductions are launched when there
+are few rows: a handful of rows cannot fill a GPU of 132 SMs with one program per row, so each
+row is **split into pieces reduced by different programs** (split-reduction, as in PyTorch's
+``Reduce.cuh`` when there are few outputs, or flash-decoding's split-KV), and a second pass
+merges the pieces' partial results in piece order.  The number of pieces is chosen from the
+*number of rows* (:func:`row_launch`): ``min(16, 132 // rows)`` pieces (at most one per chunk),
+one piece from 132 rows up.  Another number of pieces is another summation tree, so a row's
+bits change with the batch.  For ``mean`` the pieces' sums are added; for ``log_softmax`` each
+piece stores its log-sum-exp ``lse_p = m_p + log(sum(exp(x - m_p)))`` and the merge computes
+``lse = M + log(sum_p exp(lse_p - M))``, ``M = max_p lse_p`` (flash-decoding's merge of
+split states), then ``y = x - lse``: every piece adds a rounding of its own.  Both impls are
+accurate to a few fp32 ulps; only the variant's bits depend on the batch.
 """
 from __future__ import annotations
 
@@ -67,6 +81,7 @@ __all__ = [
     "log_softmax",
     "mean",
     "launch_rows",
+    "row_launch",
 ]
 
 #: The aten ops routed to the kit's kernels.
@@ -80,6 +95,12 @@ fallback_counts: Counter = Counter()
 _MAX_BLOCK = 4096  # longest chunk of a row held in registers
 _INTERPRET_TILE = 65536
 _INTERPRET_MAX_ROWS = 128
+
+#: Variant only: the programs a launch aims for (an H100 has 132 SMs), the variant's chunk
+#: width (a production-like 512 threads) and the most pieces a row is split into.
+_VARIANT_FILL = 132
+_VARIANT_BLOCK = 512
+_VARIANT_MAX_SPLITS = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,20 +171,144 @@ def _row_mean_kernel(x_ptr, out_ptr, n_rows, L,
     tl.store(out_ptr + rows, from_f32(mean, out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def launch_rows(kind: str, x2: torch.Tensor, out: torch.Tensor) -> None:
+# --------------------------------------------------------------------------------------------
+# The variant twins: a row split into pieces, how many chosen from the number of rows
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _split_partials_kernel(x_ptr, part_ptr, n_rows, L, SPLITS, PER_SPLIT,
+                           LOG_SOFTMAX: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Variant, pass 1: program ``(i, p)`` reduces chunks ``p*PER_SPLIT ..`` (at most PER_SPLIT)
+    of its rows into ``[BLOCK]`` accumulators, one ``tl.sum``, and writes the piece's partial to
+    ``part_ptr[row, p]``: log_softmax, the piece's log-sum-exp ``m_p + log(sum(exp(x - m_p)))``
+    (``m_p`` the piece's max); mean, the piece's ``sum(x)``."""
+    row_mask, base, cols0 = _row_tile(n_rows, L, ROWS, BLOCK)
+    piece = tl.program_id(1)
+    c_lo = piece * PER_SPLIT
+    c_hi = tl.minimum(c_lo + PER_SPLIT, tl.cdiv(L, BLOCK))
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    slot = rows.to(tl.int64) * SPLITS + piece
+    acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    if LOG_SOFTMAX:
+        m = tl.full((ROWS,), float("-inf"), tl.float32)
+        for c in range(c_lo, c_hi):
+            cols = c * BLOCK + cols0
+            x = tl.where(cols < L, to_f32(tl.load(x_ptr + base + cols, mask=row_mask[:, None] & (cols < L),
+                                                  other=0.0)), float("-inf"))
+            m = tl.maximum(m, tl.max(x, axis=1))
+        for c in range(c_lo, c_hi):
+            cols = c * BLOCK + cols0
+            x = to_f32(tl.load(x_ptr + base + cols, mask=row_mask[:, None] & (cols < L), other=0.0))
+            acc += tl.where(cols < L, tl.exp(x - m[:, None]), 0.0)
+        tl.store(part_ptr + slot, m + tl.log(tl.sum(acc, axis=1)), mask=row_mask)
+    else:
+        for c in range(c_lo, c_hi):
+            cols = c * BLOCK + cols0
+            acc += to_f32(tl.load(x_ptr + base + cols, mask=row_mask[:, None] & (cols < L), other=0.0))
+        tl.store(part_ptr + slot, tl.sum(acc, axis=1), mask=row_mask)
+
+
+@triton.jit
+def _split_finish_kernel(x_ptr, out_ptr, part_ptr, n_rows, L, SPLITS, NUM_CHUNKS,
+                         LOG_SOFTMAX: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Variant, pass 2: the pieces of each row merged in piece order 0, 1, ..., SPLITS-1.
+    log_softmax (flash-decoding's merge of split log-sum-exps): ``M = max_p lse_p``,
+    ``lse = M + log(sum_p exp(lse_p - M))``, then ``x - lse`` chunk by chunk; mean:
+    ``div_rn(sum_p part_p, L)``."""
+    row_mask, base, cols0 = _row_tile(n_rows, L, ROWS, BLOCK)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    first = rows.to(tl.int64) * SPLITS
+    total = tl.zeros((ROWS,), dtype=tl.float32)
+    if LOG_SOFTMAX:
+        big = tl.full((ROWS,), float("-inf"), tl.float32)
+        for p in range(SPLITS):  # the max: exact in any order
+            big = tl.maximum(big, tl.load(part_ptr + first + p, mask=row_mask, other=0.0))
+        for p in range(SPLITS):  # the rescaled sums, in piece order
+            total += tl.exp(tl.load(part_ptr + first + p, mask=row_mask, other=0.0) - big)
+        lse = big + tl.log(total)
+        for c in range(NUM_CHUNKS):
+            cols = c * BLOCK + cols0
+            mask = row_mask[:, None] & (cols < L)
+            x = to_f32(tl.load(x_ptr + base + cols, mask=mask, other=0.0))
+            tl.store(out_ptr + base + cols, from_f32(x - lse[:, None], out_ptr.dtype.element_ty), mask=mask)
+    else:
+        for p in range(SPLITS):
+            total += tl.load(part_ptr + first + p, mask=row_mask, other=0.0)
+        mean = tl.div_rn(total, tl.zeros_like(total) + L)
+        tl.store(out_ptr + rows, from_f32(mean, out_ptr.dtype.element_ty), mask=row_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------
+
+_KINDS = ("log_softmax", "mean")
+_KERNEL_IMPLS = ("invariant", "variant")
+
+
+def row_launch(num_rows: int, L: int, impl: str = "invariant") -> dict:
+    """The launch of the row kernels for ``num_rows`` rows of length ``L`` (a pure function:
+    the book can print it).  ``block``: width of a row's fp32 accumulator; ``num_chunks =
+    ceil(L / block)``; ``splits``: pieces a row is cut into, each reduced by its own program
+    (``chunks_per_split`` chunks each) and combined in a second pass; ``rows_per_program``;
+    ``num_warps``.  (``block``, ``splits``, ``chunks_per_split``) is the row's summation tree.
+
+    Invariant: a function of ``L`` only (``splits`` = 1).  Variant: ``block`` 512 and
+    ``splits = min(16, num_chunks, 132 // num_rows)`` (at least 1): a function of the number
+    of rows, so that few rows still give enough programs to fill the GPU."""
+    if impl not in _KERNEL_IMPLS:
+        raise ValueError(f"impl must be 'invariant' or 'variant', got {impl!r}")
+    num_rows = checks.positive_int("num_rows", num_rows)
+    L = checks.positive_int("L", L)
+    if impl == "invariant":
+        block, chunks, rows, warps = _row_schedule(L)
+        return {"impl": impl, "num_rows": num_rows, "L": L, "block": block, "num_chunks": chunks,
+                "splits": 1, "chunks_per_split": chunks, "rows_per_program": rows, "num_warps": warps}
+    block = min(triton.next_power_of_2(L), _VARIANT_BLOCK)
+    chunks = triton.cdiv(L, block)
+    want = max(1, min(_VARIANT_MAX_SPLITS, chunks, _VARIANT_FILL // num_rows))
+    per_split = triton.cdiv(chunks, want)
+    rows = 1 if not INTERPRET else max(1, min(_INTERPRET_MAX_ROWS, _INTERPRET_TILE // block))
+    return {"impl": impl, "num_rows": num_rows, "L": L, "block": block, "num_chunks": chunks,
+            "splits": triton.cdiv(chunks, per_split),  # no empty piece
+            "chunks_per_split": per_split, "rows_per_program": rows, "num_warps": min(max(block // 256, 1), 8)}
+
+
+def launch_rows(kind: str, x2: torch.Tensor, out: torch.Tensor, impl: str = "invariant") -> None:
     """Launch the row kernel ``kind`` ("log_softmax" or "mean") on a contiguous (R, L) ``x2``
-    with R, L >= 1; ``out`` contiguous, (R, L) or (R,).  (Tests pass guarded outputs here.)"""
+    with R, L >= 1; ``out`` contiguous, (R, L) or (R,).  (Tests pass guarded outputs here.)
+    ``impl="variant"`` uses the split launch of :func:`row_launch` (an fp32 workspace of
+    ``R x splits`` partials, then the second pass)."""
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be 'log_softmax' or 'mean', got {kind!r}")
+    if impl not in _KERNEL_IMPLS:
+        raise ValueError(f"impl must be 'invariant' or 'variant', got {impl!r}")
     R, L = x2.shape
-    block, chunks, rows, warps = _row_schedule(L)
-    kernel = _log_softmax_kernel if kind == "log_softmax" else _row_mean_kernel
-    kernel[(triton.cdiv(R, rows),)](x2, out, R, L, BLOCK=block, NUM_CHUNKS=chunks, ROWS=rows,
-                                    num_warps=warps)
+    cfg = row_launch(R, L, impl)
+    block, rows, warps = cfg["block"], cfg["rows_per_program"], cfg["num_warps"]
+    if impl == "invariant":
+        kernel = _log_softmax_kernel if kind == "log_softmax" else _row_mean_kernel
+        kernel[(triton.cdiv(R, rows),)](x2, out, R, L, BLOCK=block, NUM_CHUNKS=cfg["num_chunks"], ROWS=rows,
+                                        num_warps=warps)
+        return
+    splits = cfg["splits"]
+    part = torch.empty((R, splits), dtype=torch.float32, device=x2.device)
+    lsm = kind == "log_softmax"
+    _split_partials_kernel[(triton.cdiv(R, rows), splits)](
+        x2, part, R, L, splits, cfg["chunks_per_split"], LOG_SOFTMAX=lsm, BLOCK=block, ROWS=rows, num_warps=warps)
+    _split_finish_kernel[(triton.cdiv(R, rows),)](
+        x2, out, part, R, L, splits, cfg["num_chunks"], LOG_SOFTMAX=lsm, BLOCK=block, ROWS=rows, num_warps=warps)
 
 
 def _check_device(name, x):
     if x.device.type != DEVICE.type:
         where = "under the Triton interpreter" if INTERPRET else "for the compiled Triton kernels"
         raise ValueError(f"{name} must be on {DEVICE.type} {where}, got {x.device}")
+
+
+def _check_row_impl(impl):
+    if impl not in ("invariant", "variant", "reference"):
+        raise ValueError(f"impl must be 'invariant', 'variant' or 'reference', got {impl!r}")
 
 
 def _norm_dim(name, d, ndim):
@@ -177,9 +322,10 @@ def _norm_dim(name, d, ndim):
 def log_softmax(x, dim=-1, *, half_to_float=False, impl="invariant"):
     """``log_softmax(x)`` along ``dim``, fp32 math.  Output dtype: ``x``'s, or float32 when
     ``half_to_float`` and ``x`` is fp16/bf16 (aten's ``_log_softmax`` flag).  A ``dim`` other
-    than the last costs a transposed copy in and out.  ``impl``: "invariant" or "reference"."""
-    if impl not in ("invariant", "reference"):
-        raise ValueError(f"impl must be 'invariant' or 'reference', got {impl!r}")
+    than the last costs a transposed copy in and out.  ``impl``: "invariant", "variant" (the
+    negative control: a row split into pieces, how many chosen from the number of rows; see
+    :func:`row_launch`) or "reference" (float64 torch)."""
+    _check_row_impl(impl)
     checks.tensor("x", x, contiguous=False, nonempty=False)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim, got a 0-d tensor")
@@ -194,7 +340,7 @@ def log_softmax(x, dim=-1, *, half_to_float=False, impl="invariant"):
     out = torch.empty(xr.shape, dtype=out_dtype, device=x.device)
     L = xr.shape[-1]
     if out.numel():
-        launch_rows("log_softmax", xr.view(-1, L), out.view(-1, L))
+        launch_rows("log_softmax", xr.view(-1, L), out.view(-1, L), impl)
     return out if dim == x.dim() - 1 else out.movedim(-1, dim).contiguous()
 
 
@@ -216,9 +362,9 @@ def _mean_dims(dim, ndim):
 def mean(x, dim=None, keepdim=False, *, dtype=None, impl="invariant"):
     """Mean over ``dim`` (an int, a sequence, or None / [] for all dims), fp32 sum in a fixed
     per-row order then one correctly rounded division.  Output dtype ``dtype`` if given (fp32,
-    fp16 or bf16) else ``x``'s.  An empty reduction gives NaN (like torch)."""
-    if impl not in ("invariant", "reference"):
-        raise ValueError(f"impl must be 'invariant' or 'reference', got {impl!r}")
+    fp16 or bf16) else ``x``'s.  An empty reduction gives NaN (like torch).  ``impl``:
+    "invariant", "variant" (the negative control, see :func:`row_launch`) or "reference"."""
+    _check_row_impl(impl)
     checks.tensor("x", x, contiguous=False, nonempty=False)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim, got a 0-d tensor")
@@ -238,7 +384,7 @@ def mean(x, dim=None, keepdim=False, *, dtype=None, impl="invariant"):
     if R and not L:
         out.fill_(float("nan"))
     elif R:
-        launch_rows("mean", x.permute(keep + red).contiguous().view(R, L), out)
+        launch_rows("mean", x.permute(keep + red).contiguous().view(R, L), out, impl)
     return out.view(out_shape)
 
 

@@ -1,8 +1,8 @@
 """MoE: a token's output is bitwise the same alone and inside batches of many sizes and
 compositions (uniform, skewed and duplicated routing; expert counts crossing BLOCK_M edges;
-every grouped-GEMM tile); the router and grouped-GEMM variants fail the same check (negative
-controls); accuracy against float64; guard regions; bad input refused naming the argument;
-the tie rule; the dispatch layout.
+every grouped-GEMM tile); the router, grouped-GEMM and combine variants fail the same check
+(negative controls; the combine's on its own, fed the same expert outputs); accuracy against
+float64; guard regions; bad input refused naming the argument; the tie rule; the dispatch layout.
 
 Tiny shapes (8 experts, top-2, hidden 64, intermediate 32) keep the file inside two minutes
 under the Triton interpreter; the negative controls use fp32 and hidden 256 (more K blocks,
@@ -148,6 +148,68 @@ def test_variant_grouped_gemm_fails():
     assert report.passed, report.summary()
 
 
+#: The combine on its own: top-8 (Qwen3-MoE, DeepSeek-V3; with top-2 a lane tree is the chain
+#: again), 256 columns; at these batch sizes the variant's lanes are 4, 4, 2, 2, 1, 1.
+CK, CH, COMBINE_SIZES = 8, 256, [1, 5, 20, 64, 65, 300]
+
+
+def _combine_maker(dtype):
+    """Expert outputs ``y`` (T, k, H) and positive fp32 router weights (T, k) summing to ~1 per
+    token: full-precision rows sliced from one fixed tensor per seed, so a token's inputs are the
+    same in every batch."""
+    cache = {}
+
+    def make(bs, seed=0):
+        if seed not in cache:
+            n = max(COMBINE_SIZES)
+            y = seeded_normal((n, CK, CH), 40 + seed, dtype=dtype, device=DEV)
+            a = seeded_normal((n, CK), 50 + seed, dtype=torch.float64).abs() + 0.05
+            cache[seed] = (y, (a / a.sum(1, keepdim=True)).float().to(DEV))
+        y, w = cache[seed]
+        return y[:bs], w[:bs]
+    return make
+
+
+def _combine(impl):
+    return lambda y, w: moe.combine(y.reshape(-1, CH), w, impl=impl)
+
+
+def test_combine_launch_invariant_ignores_tokens_variant_picks_lanes_by_tokens():
+    for h in (64, 256, 4096):
+        assert all(moe.combine_launch(t, CK, h) == moe.combine_launch(1, CK, h) for t in (5, 65, 300, 10 ** 5))
+        assert moe.combine_launch(1, CK, h)["lanes"] == 1
+    assert [moe.combine_launch(t, CK, CH, "variant")["lanes"] for t in COMBINE_SIZES] == [4, 4, 2, 2, 1, 1]
+    assert moe.combine_launch(1, 2, CH, "variant")["lanes"] == 2  # capped at top_k
+    for bad, msg in (((0, CK, CH), "num_tokens"), ((3, 0, CH), "top_k"), ((3, CK, -1), "hidden")):
+        with pytest.raises(ValueError, match=msg):
+            moe.combine_launch(*bad)
+    with pytest.raises(ValueError, match="impl"):
+        moe.combine_launch(3, CK, CH, "fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_name)
+def test_variant_combine_fails_on_the_same_expert_outputs(dtype):
+    """The combine isolated: the same ``y`` and weights into both impls.  The invariant gives a
+    token the same bits alone and in every batch; the variant's lane tree (4 lanes for 1..8
+    tokens, 2 up to 64, one chain above) must show.  Negative control in fp32 only: rounding
+    the fp32 sum to 16 bits nearly always absorbs a 1-ulp change of the tree."""
+    make = _combine_maker(dtype)
+    check = dict(positions=lambda bs: {*range(0, bs, max(1, bs // 6)), bs - 1}, seeds=(0, 1))
+    report = check_invariance(_combine("invariant"), make, COMBINE_SIZES, **check)
+    assert report.passed, report.summary()
+    if dtype != torch.float32:
+        return
+    report = check_invariance(_combine("variant"), make, COMBINE_SIZES, **check)
+    assert not report.passed, "the combine variant should change a token's sum with the batch"
+    assert set(report.diverging_batch_sizes) == {20, 64, 65, 300}, report.diverging_batch_sizes
+    y, w = make(300)
+    ref = moe.combine(y.reshape(-1, CH), w, impl="reference").double()
+    for impl in ("invariant", "variant"):  # both accurate: only the variant's bits move
+        for n in (1, 20, 300):
+            got = moe.combine(y[:n].reshape(-1, CH), w[:n], impl=impl).double()
+            torch.testing.assert_close(got, ref[:n], rtol=0, atol=2e-6)
+
+
 def test_variant_fused_moe_fails():
     f = _moe(torch.float32, impl="variant", h=256, inter=64)
     report = check_invariance(f, _maker("uniform", torch.float32, h=256), [1, 130], stop_at_first=True)
@@ -194,7 +256,7 @@ def test_guard_regions(dtype, impl):
     gy = Guarded((T * TOPK, H), dtype, DEV)
     moe.grouped_gemm(ga.tensor, w2, d, impl=impl, out=gy.tensor)
     go = Guarded((T, H), dtype, DEV)
-    moe.combine(gy.tensor, gw.tensor, out=go.tensor)
+    moe.combine(gy.tensor, gw.tensor, impl=impl, out=go.tensor)
     for g in (gw, gi, ga, gy, go):
         g.check()
         assert g.unwritten() == 0
@@ -298,6 +360,10 @@ def test_bad_inputs_name_the_argument():
         moe.combine(torch.zeros(6, H, device=DEV), torch.zeros(3, 2, dtype=torch.float64, device=DEV))
     with pytest.raises(ValueError, match="y must have"):
         moe.combine(torch.zeros(5, H, device=DEV), torch.zeros(3, 2, device=DEV))
+    with pytest.raises(ValueError, match="impl"):
+        moe.combine(torch.zeros(6, H, device=DEV), torch.zeros(3, 2, device=DEV), impl="fast")
+    with pytest.raises(ValueError, match="y must have"):
+        moe.combine(torch.zeros(5, H, device=DEV), torch.zeros(3, 2, device=DEV), impl="variant")
     with pytest.raises(ValueError, match="logits"):
         moe.route(torch.zeros(3, device=DEV), 1)
     with pytest.raises(ValueError, match="out"):

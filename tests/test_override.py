@@ -1,6 +1,8 @@
 """Override mode: an unmodified torch model inside ``batch_invariant()`` is bitwise
 batch-invariant, stays close to the normal model, and the override is gone on exit (also
-after nesting and exceptions).  Plus the two row kernels (log_softmax, mean) on their own.
+after nesting and exceptions).  Plus the two row kernels (log_softmax, mean) on their own,
+and their variant twins (a row split into pieces, how many chosen from the number of rows),
+which the same bitwise check must catch (negative controls).
 """
 import warnings
 
@@ -161,15 +163,16 @@ def test_long_rows_dims_keepdim_dtype_and_empty():
         torch.testing.assert_close(torch.log_softmax(x, 1), O.log_softmax(x, 1), rtol=0, atol=0)
 
 
-def test_row_kernels_write_every_element_and_nothing_else():
+@pytest.mark.parametrize("impl", ["invariant", "variant"])
+def test_row_kernels_write_every_element_and_nothing_else(impl):
     for L in (7, 300, 5000):
         x = row_maker(L)(33)
         g = Guarded((33, L), torch.float32, DEV)
-        O.launch_rows("log_softmax", x, g.tensor)
+        O.launch_rows("log_softmax", x, g.tensor, impl)
         g.check()
         assert g.unwritten() == 0
         g = Guarded((33,), torch.bfloat16, DEV)
-        O.launch_rows("mean", x, g.tensor)
+        O.launch_rows("mean", x, g.tensor, impl)
         g.check()
         assert g.unwritten() == 0
 
@@ -186,11 +189,96 @@ def test_row_kernels_bad_inputs():
         (ValueError, "more than once", lambda: O.mean(x, [1, -1])),
         (TypeError, "dtype must be", lambda: O.mean(x, -1, dtype=torch.int32)),
         (ValueError, "x must be on", lambda: O.mean(x.to("meta"), -1)),
-        (ValueError, "impl", lambda: O.mean(x, -1, impl="variant")),
+        (ValueError, "impl must be", lambda: O.mean(x, -1, impl="fast")),
+        (ValueError, "impl must be", lambda: O.log_softmax(x, -1, impl="split")),
+        (ValueError, "kind must be", lambda: O.launch_rows("softmax", x, torch.empty_like(x))),
+        (ValueError, "impl must be", lambda: O.launch_rows("mean", x, torch.empty(3), impl="reference")),
+        (ValueError, "num_rows must be a positive int", lambda: O.row_launch(0, 4096, "variant")),
+        (ValueError, "L must be a positive int", lambda: O.row_launch(3, 2.5)),
+        (ValueError, "impl must be", lambda: O.row_launch(3, 4096, "reference")),
     ]
     for exc, msg, call in cases:
         with pytest.raises(exc, match=msg):
             call()
+
+
+# ---------------------------------------------------------------------------------------------
+# the variant twins (negative controls)
+# ---------------------------------------------------------------------------------------------
+
+#: 4096 columns (a hidden size, a vocabulary shard) = 8 chunks of the variant's 512: split into
+#: 8, 4, 2, 1, 1 pieces at these batch sizes (row_launch), 1 piece from 132 rows up.
+WIDE, NEG_BATCHES = 4096, [1, 17, 45, 129, 300]
+
+
+def _spread(bs):
+    """Six rows spread over the batch (first, ..., last): more chances than the default three."""
+    return sorted({*range(0, bs, max(1, bs // 5)), bs - 1})
+
+
+def test_row_launch_invariant_ignores_rows_variant_splits_by_rows():
+    for L in (7, 300, 4096, 9000):
+        inv = [O.row_launch(r, L) for r in (1, 17, 45, 129, 300, 10 ** 5)]
+        assert all({k: v for k, v in c.items() if k != "num_rows"} == {k: v for k, v in inv[0].items()
+                                                                        if k != "num_rows"} for c in inv)
+        assert inv[0]["splits"] == 1 and inv[0]["chunks_per_split"] == inv[0]["num_chunks"]
+    var = [O.row_launch(r, WIDE, "variant") for r in NEG_BATCHES]
+    assert [c["splits"] for c in var] == [8, 4, 2, 1, 1]
+    for c in var:  # the pieces cover the chunks, none empty
+        assert c["block"] * c["num_chunks"] >= WIDE
+        assert (c["splits"] - 1) * c["chunks_per_split"] < c["num_chunks"] <= c["splits"] * c["chunks_per_split"]
+    assert O.row_launch(1, 7, "variant")["splits"] == 1  # one chunk: nothing to split
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_variant_row_kernels_fail_the_check_the_invariant_passes(dtype):
+    """One check, two impls: the invariant gives a row the same bits alone and in batches of 17
+    to 300; the variant (its row split into 8, 4, 2 or 1 pieces by the batch) must not.
+
+    The compared outputs are fp32 (``half_to_float`` / ``dtype=float32`` for 16-bit inputs): a
+    different tree moves an fp32 result by an ulp or so, which rounding to 16 bits nearly always
+    absorbs; a negative control must be able to fail.  The 16-bit outputs are checked for the
+    invariant too."""
+    make = row_maker(WIDE, dtype=dtype, scale=3.0)
+    h = dtype != torch.float32
+
+    def lsm(impl):
+        return lambda x: O.log_softmax(x, -1, half_to_float=h, impl=impl)
+
+    def mean(impl):
+        return lambda x: O.mean(x, -1, dtype=torch.float32, impl=impl)
+
+    def both_native(x):
+        return (O.log_softmax(x, -1), O.mean(x, -1), lsm("invariant")(x), mean("invariant")(x))
+
+    check = dict(positions=_spread, seeds=(0, 1, 2))  # ~80 row checks per output
+    report = check_invariance(both_native, make, NEG_BATCHES, **check)
+    assert report.passed, report.summary()
+    assert report.checks == 4 * 3 * sum(len(_spread(b)) for b in NEG_BATCHES)
+    for name, f in (("log_softmax", lsm), ("mean", mean)):
+        # about 1 row check in 8 differs for log_softmax here (1 in 2 for mean): several seeds
+        # keep the control from depending on one lucky row; it stops at the first difference
+        report = check_invariance(f("variant"), make, NEG_BATCHES, stop_at_first=True, **check)
+        assert not report.passed, f"the {name} variant should change a row's bits with the batch: {report.summary()}"
+        m = report.first
+        assert m.batch_size > 1 and O.row_launch(m.batch_size, WIDE, "variant")["splits"] != 8, str(m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_variant_row_kernels_are_accurate(dtype):
+    """The twin is a correct kernel: only its bits depend on the batch, not its accuracy."""
+    x = row_maker(WIDE, dtype=dtype, scale=3.0)(45)  # 2 pieces per row
+    ref_l = torch.log_softmax(x.double(), -1)
+    ref_m = x.double().mean(-1)
+    for rows in (x[:1], x):  # 8 pieces, 2 pieces
+        n = rows.shape[0]
+        got = O.log_softmax(rows, -1, impl="variant", half_to_float=dtype != torch.float32)
+        torch.testing.assert_close(got.double(), ref_l[:n], rtol=0, atol=4e-6)
+        torch.testing.assert_close(O.mean(rows, -1, dtype=torch.float32, impl="variant").double(), ref_m[:n],
+                                   rtol=0, atol=1e-7)
+        assert O.mean(rows, -1, impl="variant").dtype == dtype
+    whole = O.mean(x, [0, 1], dtype=torch.float32, impl="variant")  # 1 row of 45 * 4096: 16 pieces
+    torch.testing.assert_close(whole.double(), x.double().mean(), rtol=0, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------
