@@ -41,21 +41,22 @@ in the same way, whichever launch it is part of:
 A program's query tile holds ``q_tile`` consecutive tokens of one sequence times the q heads
 of one kv head (the rows of ``tl.dot``); rows never mix (every reduction is along a row).
 
-Decode tiles
-------------
+Decode tiles (an option, off by default: the H200 refuted it)
+-------------------------------------------------------------
 A one-token step (decode) fills only ``q_heads / kv_heads`` rows of a tile (4 of 64 with 32 q
 and 8 kv heads): the other rows are masked work, and at large batches that work is most of
-the time (H200 sweep, ``attention_tune``).  So with ``decode_block_m`` set (the GPU default:
-16 rows) a launch runs its one-token steps in a second launch of the *same kernel source* with
-a smaller tile.  Which tile a token gets depends on its own step only (``q_len == 1``), never on
-the batch, so batch invariance is untouched.  What changes is the argument for prefill ==
-decode: with one tile shape it held by construction (the same compiled kernel); with two it
-rests on the per-row arithmetic of ``tl.dot`` being the same for a 16-row and a 64-row tile
-(each output row is the same fp32 accumulation over the same k-steps; the tensor-core
-instruction may differ).  That is *measured*, not assumed: property (d) of
-:mod:`kernels.attention_bench` compares every position of an 8k prompt, prefill vs decode,
-bitwise on the H200, and the CPU tests do the same under the interpreter.  ``decode_block_m
-= None`` restores the single-shape kernel.
+the time (H200 sweep, ``attention_tune``).  With ``decode_block_m`` set (e.g. 16) a launch runs
+its one-token steps in a second launch of the *same kernel source* with a smaller tile.  Which
+tile a token gets depends on its own step only (``q_len == 1``), never on the batch, so batch
+invariance (property (a)) is untouched, and large-batch decode gets ~1.5x faster.  But prefill
+== decode (property (d)) then no longer holds by construction: it rests on ``tl.dot`` giving
+the same per-row bits for a 16-row and a 64-row tile.  Under the interpreter it does (numpy
+computes every row alike).  On the H200 it does **not**: the 16-row tile runs on a different
+tensor-core instruction than the 64-row one, and decode differed from prefill at dozens of the
+8229 positions of property (d) (``results/h200/decode_tiles_run11``).  For RL, where the sampler
+decodes and the trainer re-scores by prefill, (d) is the property that matters, so the default
+keeps one tile shape for every step; ``decode_block_m`` stays available for servers that need
+only (a).
 
 Chunk alignment rule (enforced)
 -------------------------------
@@ -161,11 +162,11 @@ class AttnConfig:
         return asdict(self)
 
 
-#: Compiled on a GPU: 64-key tiles, 64-row programs (16-row programs for decode steps),
-#: 512-key splits.
-DEFAULT_CONFIG = AttnConfig(64, 64, 512, decode_block_m=16)
+#: Compiled on a GPU: 64-key tiles, 64-row programs, 512-key splits; decode steps in the same
+#: 64-row tiles (``decode_block_m=None``: see "Decode tiles" for why not 16).
+DEFAULT_CONFIG = AttnConfig(64, 64, 512)
 #: Under the interpreter: small tiles so that short test contexts cross tile and split bounds.
-INTERPRETER_CONFIG = AttnConfig(32, 32, 64, decode_block_m=16)
+INTERPRETER_CONFIG = AttnConfig(32, 32, 64)
 
 
 def default_config() -> AttnConfig:

@@ -217,12 +217,14 @@ def test_d_prefill_equals_decode_at_every_position(dtype):
         assert bitwise_equal(one[0], pre[t]), t
 
 
-def test_d_decode_tiles_equal_the_single_shape_kernel():
-    """The config's 16-row decode tiles (one-token steps in their own launch) give the same bits
-    as running those steps in the prefill-shaped tile (``decode_block_m=None``), in a mixed
-    batch of decodes and a prefill chunk; and the plan really puts the one-token steps in the
-    decode group."""
-    assert CFG.decode_block_m is not None
+def test_decode_tiles_option_plumbing():
+    """``decode_block_m`` (off by default): one-token steps go to the decode group of the plan,
+    multi-token steps stay in prefill tiles, and under the interpreter the two tile shapes give
+    the same bits.  (On the H200 they do not, for prefill vs decode: see the module docstring;
+    that is why the default keeps one shape.  This test checks the plumbing, not that claim.)"""
+    assert CFG.decode_block_m is None, "the default must keep one tile shape (property (d) on the H200)"
+    dec_cfg = A.AttnConfig(CFG.block_n, CFG.block_m, CFG.split_size, CFG.num_warps, CFG.num_stages,
+                           decode_block_m=16)
     single = A.AttnConfig(CFG.block_n, CFG.block_m, CFG.split_size, CFG.num_warps, CFG.num_stages)
     dtype = torch.bfloat16
     c = Cache(dtype, seed=3)
@@ -241,12 +243,13 @@ def test_d_decode_tiles_equal_the_single_shape_kernel():
     q = torch.cat([s[1] for s in steps])
     lens = [s[2] for s in steps]
     qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
-    plan = A.make_plan(q, HKV, lens, qsl, config=CFG)
+    plan = A.make_plan(q, HKV, lens, qsl, config=dec_cfg)
     assert plan.dec_tile_seq.tolist() == list(range(len(LENS))), "one-token steps must be decode tiles"
+    assert A.make_plan(q, HKV, lens, qsl, config=CFG).dec_tile_seq.numel() == 0
     assert plan.tile_seq.tolist() == [len(LENS)] * (2 * BN // plan.q_tile)
     args = (q, c.k, c.v, bt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
             torch.tensor(qsl, dtype=torch.int32, device=DEV))
-    two = A.attention(*args, config=CFG)
+    two = A.attention(*args, config=dec_cfg)
     one = A.attention(*args, config=single)
     assert bitwise_equal(two, one)
     with pytest.raises(ValueError, match="decode_block_m"):
