@@ -104,7 +104,7 @@ def e2e_model(quick: bool) -> tuple:
                                   "unique_logprob_sequences": r["unique_logprob_sequences"],
                                   "equal_to_bs1": sum(k == ref for k in ks), "steps": r["steps"],
                                   "step_tokens_seen_by_copies": sorted({tok for st in r["copy_steps"].values()
-                                                                        for _, tok in st})})
+                                                                        for tok, _ in st})})
                 gen_tokens += r["generated_tokens"]
             row = {"op": "e2e_serve", "model": mname, "impl": f"kit-{impl}", "dtype": cfg.torch_dtype,
                    "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "experts": cfg.num_experts,
