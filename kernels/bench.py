@@ -10,7 +10,7 @@ import torch
 
 
 def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = None, graph: bool = False,
-              graph_calls: int = 20, budget_s: float = 1.5) -> dict:
+              graph_calls: int = 20, budget_s: float = 1.5, calls_per_graph: int | None = None) -> dict:
     """Median (and quartiles) of timed calls of ``fn`` in microseconds, CUDA events.
 
     ``rotate``: a list of argument tuples; call ``fn(*rotate[i % len(rotate)])`` so that
@@ -18,7 +18,13 @@ def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = No
     ``graph_calls`` consecutive calls (cycling through ``rotate``) in one CUDA graph, times
     ``reps`` replays and divides by ``graph_calls``: launch overhead leaves the numbers, the
     same way for every implementation compared.  Long kernels get fewer calls per graph and
-    fewer repetitions so that one measurement takes about ``budget_s`` (at least 10 reps)."""
+    fewer repetitions so that one measurement takes about ``budget_s`` (at least 10 reps).
+    ``calls_per_graph``: capture exactly that many calls per graph instead (so that two
+    implementations compared in one cell are timed the same way even when only one of them
+    crosses the 100 µs estimate)."""
+    if calls_per_graph is not None and (isinstance(calls_per_graph, bool) or not isinstance(calls_per_graph, int)
+                                        or calls_per_graph < 1):
+        raise ValueError(f"calls_per_graph must be a positive int or None, got {calls_per_graph!r}")
     if not torch.cuda.is_available():
         raise RuntimeError("median_us needs a CUDA GPU")
     args = rotate if rotate else [()]
@@ -36,6 +42,8 @@ def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = No
     per = 1
     if graph:
         per = len(calls) if est_us > 100.0 else max(graph_calls, len(calls))
+        if calls_per_graph is not None:
+            per = calls_per_graph
     reps = int(max(10, min(reps, budget_s * 1e6 / (est_us * per))))
     if graph:
         s = torch.cuda.Stream()

@@ -92,3 +92,12 @@ def test_contract_violations_are_named():
         H.row_maker(0)
     with pytest.raises(TypeError, match="dtypes differ"):
         H.ulp_distance(torch.zeros(1), torch.zeros(1, dtype=torch.float64))
+
+
+def test_median_us_refuses_a_bad_calls_per_graph():
+    """The benchmark helper names a bad ``calls_per_graph`` before it looks for a GPU."""
+    from kernels.bench import median_us
+
+    for bad in (0, -3, 2.5, True, "20"):
+        with pytest.raises(ValueError, match="calls_per_graph"):
+            median_us(lambda: None, graph=True, calls_per_graph=bad)
