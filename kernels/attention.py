@@ -106,7 +106,8 @@ from .device import DEVICE, INTERPRET
 import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
-from .matmul import _sm_count, from_f32, to_f32  # noqa: E402  (exact bf16 moves on the interpreter)
+from .matmul import _sm_count  # noqa: E402
+from .tl_numerics import from_f32, to_f32  # noqa: E402  (exact bf16 moves on the interpreter)
 
 __all__ = [
     "IMPLS",
@@ -147,10 +148,8 @@ class AttnConfig:
     decode_block_m: int | None = None
 
     def __post_init__(self):
-        for name in ("block_n", "block_m", "decode_block_m"):
+        for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
             v = getattr(self, name)
-            if name == "decode_block_m" and v is None:
-                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
         if (isinstance(self.split_size, bool) or not isinstance(self.split_size, int) or self.split_size < 1
@@ -573,9 +572,9 @@ class AttnPlan:
     ws_acc: torch.Tensor
     ws_ml: torch.Tensor
     #: the one-token steps' tiles when the config has a ``decode_block_m`` (else empty)
-    dec_q_tile: int = 1
-    dec_tile_seq: torch.Tensor | None = None
-    dec_tile_tok: torch.Tensor | None = None
+    dec_q_tile: int
+    dec_tile_seq: torch.Tensor
+    dec_tile_tok: torch.Tensor
 
 
 def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: str = "invariant",
@@ -620,10 +619,8 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
     T, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     d_pad = plan.ws_acc.shape[1]
-    groups = [(plan.tile_seq, plan.tile_tok, plan.q_tile)]
-    if plan.dec_tile_seq is not None:
-        groups.append((plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_q_tile))
-    for tile_seq, tile_tok, q_tile in groups:
+    for tile_seq, tile_tok, q_tile in ((plan.tile_seq, plan.tile_tok, plan.q_tile),
+                                       (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_q_tile)):
         if tile_seq.shape[0] == 0:
             continue
         _attn_split_kernel[(tile_seq.shape[0], hkv, plan.max_splits)](

@@ -14,7 +14,6 @@ skipped.  :data:`GOALS` are the speed goals the issues stated; :func:`check_goal
 """
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -35,13 +34,6 @@ def is_invariant(impl: str) -> bool:
     """Whether a kernel benchmark's ``impl`` carries the invariance guarantee
     (``triton-invariant``, ``kit-invariant:small``, ...; not ``kit-variant``, ``cublas``, ...)."""
     return "invariant" in impl
-
-
-def _load(root: Path, where: str, name: str) -> dict | None:
-    path = root / where / f"{name}.json"
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())
 
 
 def _row(family, cell, params, unit, inv_name, inv_value, peers, source, doc, **extra) -> dict:
@@ -210,7 +202,7 @@ def summary(where: str = "h200", root=None) -> list[dict]:
     root = _folder(where, root)
     out: list[dict] = []
     for name in SOURCES:
-        doc = _load(root, where, name)
+        doc = _results.load(name, where, root)
         if doc is not None:
             _READERS[name](doc, out)
     return out
@@ -219,7 +211,7 @@ def summary(where: str = "h200", root=None) -> list[dict]:
 def sources(where: str = "h200", root=None) -> dict:
     """{file name: provenance} of the benchmark files :func:`summary` read."""
     root = _folder(where, root)
-    return {f"{n}.json": d["provenance"] for n in SOURCES if (d := _load(root, where, n)) is not None}
+    return {f"{n}.json": d["provenance"] for n in SOURCES if (d := _results.load(n, where, root)) is not None}
 
 
 # --- goals ------------------------------------------------------------------------------------

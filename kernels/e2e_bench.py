@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .model import Qwen3Config, Qwen3Model, _seed_of, param_names
+from .model import Qwen3Config, Qwen3Model, _seed_of, init_weight, param_names
 from .serve import Engine, Request, completion_key, load_experiment
 
 DENSE = Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8, num_attention_heads=16,
@@ -38,18 +38,13 @@ MODELS = {"dense": DENSE, "moe": MOE}
 
 
 def device_random_weights(cfg: Qwen3Config, device="cuda") -> dict:
-    """The distribution of :func:`kernels.model.random_weights` (linears ``N(0, 1/fan_in)``,
-    embeddings ``N(0, 1)``, norm weights ``1 + 0.1 N(0, 1)``), drawn on ``device`` from a
-    per-parameter seeded generator; stored in ``cfg.dtype``."""
+    """The distribution of :func:`kernels.model.random_weights` (:func:`kernels.model.init_weight`),
+    drawn on ``device`` from a per-parameter seeded generator; stored in ``cfg.dtype``."""
     w = {}
     for name, shape in param_names(cfg):
         g = torch.Generator(device=device).manual_seed(_seed_of(cfg.seed, name) % 2 ** 63)
-        x = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
-        if name.endswith("norm.weight"):
-            x = 1.0 + 0.1 * x
-        elif name != "model.embed_tokens.weight":
-            x = x * shape[1] ** -0.5
-        w[name] = x.to(cfg.dtype)
+        w[name] = init_weight(name, shape, torch.randn(shape, generator=g, device=device,
+                                                       dtype=torch.float32)).to(cfg.dtype)
     return w
 
 

@@ -193,26 +193,7 @@ def launch_info(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, 
             "tiles": tiles, "grid": (progs, split), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-# --------------------------------------------------------------------------------------------
-# Triton helpers shared with kernels.override (fp32 <-> 16-bit moves that are exact on the
-# interpreter and the GPU alike); to_f32 lives in kernels.tl_numerics
-# --------------------------------------------------------------------------------------------
-
-from .tl_numerics import to_f32  # noqa: E402,F401  (re-exported: kernels.override uses it)
-
-
-@triton.jit
-def from_f32(v, DTYPE: tl.constexpr):
-    """fp32 -> DTYPE rounded to nearest even (bf16 by integer arithmetic; NaN stays NaN)."""
-    if DTYPE == tl.bfloat16:
-        u = v.to(tl.uint32, bitcast=True)
-        r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
-        r = tl.where(v != v, (u >> 16) | 0x40, r)  # quiet NaN, never rounded into infinity
-        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    elif DTYPE == tl.float16:
-        return v.to(tl.float16)
-    else:
-        return v
+from .tl_numerics import from_f32, to_f32  # noqa: E402  (the exact fp32 <-> 16-bit moves)
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from .harness import seeded_normal
 from .matmul import linear
 
 __all__ = ["IMPLS", "FAMILIES", "resolve_impl", "Qwen3Config", "StepBatch", "Qwen3Model", "param_names",
-           "random_weights"]
+           "random_weights", "init_weight"]
 
 IMPLS = ("invariant", "variant")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -157,18 +157,22 @@ def _seed_of(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
 
 
+def init_weight(name: str, shape: tuple, x: torch.Tensor) -> torch.Tensor:
+    """A standard-normal draw ``x`` of parameter ``name`` scaled to its distribution: linears
+    ``N(0, 1/fan_in)``, embeddings ``N(0, 1)``, norm weights ``1 + 0.1 N(0, 1)`` (so that they
+    are not all ones)."""
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * x
+    if name != "model.embed_tokens.weight":
+        return x * shape[1] ** -0.5
+    return x
+
+
 def random_weights(cfg: Qwen3Config) -> dict:
-    """fp32 CPU tensors, HF names: linears ``N(0, 1/fan_in)``, embeddings ``N(0, 1)``, norm
-    weights ``1 + 0.1 N(0, 1)`` (so that they are not all ones)."""
-    w = {}
-    for name, shape in param_names(cfg):
-        x = seeded_normal(shape, _seed_of(cfg.seed, name))
-        if name.endswith("norm.weight"):
-            x = 1.0 + 0.1 * x
-        elif name != "model.embed_tokens.weight":
-            x = x * shape[1] ** -0.5
-        w[name] = x.to(cfg.dtype)
-    return w
+    """CPU tensors in ``cfg.dtype``, HF names, drawn with :func:`kernels.harness.seeded_normal`
+    and scaled by :func:`init_weight`."""
+    return {name: init_weight(name, shape, seeded_normal(shape, _seed_of(cfg.seed, name))).to(cfg.dtype)
+            for name, shape in param_names(cfg)}
 
 
 FAMILIES = ("norm", "linear", "attention", "moe")

@@ -61,8 +61,7 @@ from .device import DEVICE, INTERPRET
 import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
-from .matmul import from_f32  # noqa: E402
-from .tl_numerics import to_f32  # noqa: E402
+from .tl_numerics import from_f32, to_f32  # noqa: E402
 
 __all__ = [
     "IMPLS",

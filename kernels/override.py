@@ -64,7 +64,7 @@ import torch
 from . import checks
 from . import matmul as _mm
 from .device import DEVICE, INTERPRET
-from .matmul import from_f32, to_f32
+from .tl_numerics import from_f32, to_f32
 
 import triton  # noqa: E402  (after kernels.device)
 import triton.language as tl  # noqa: E402
@@ -268,10 +268,10 @@ def row_launch(num_rows: int, L: int, impl: str = "invariant") -> dict:
     chunks = triton.cdiv(L, block)
     want = max(1, min(_VARIANT_MAX_SPLITS, chunks, _VARIANT_FILL // num_rows))
     per_split = triton.cdiv(chunks, want)
-    rows = 1 if not INTERPRET else max(1, min(_INTERPRET_MAX_ROWS, _INTERPRET_TILE // block))
+    _, _, rows, warps = _row_schedule(block)  # rows per program and warps of a ``block``-wide tile
     return {"impl": impl, "num_rows": num_rows, "L": L, "block": block, "num_chunks": chunks,
             "splits": triton.cdiv(chunks, per_split),  # no empty piece
-            "chunks_per_split": per_split, "rows_per_program": rows, "num_warps": min(max(block // 256, 1), 8)}
+            "chunks_per_split": per_split, "rows_per_program": rows, "num_warps": warps}
 
 
 def launch_rows(kind: str, x2: torch.Tensor, out: torch.Tensor, impl: str = "invariant") -> None:
@@ -281,10 +281,8 @@ def launch_rows(kind: str, x2: torch.Tensor, out: torch.Tensor, impl: str = "inv
     ``R x splits`` partials, then the second pass)."""
     if kind not in _KINDS:
         raise ValueError(f"kind must be 'log_softmax' or 'mean', got {kind!r}")
-    if impl not in _KERNEL_IMPLS:
-        raise ValueError(f"impl must be 'invariant' or 'variant', got {impl!r}")
     R, L = x2.shape
-    cfg = row_launch(R, L, impl)
+    cfg = row_launch(R, L, impl)  # checks impl
     block, rows, warps = cfg["block"], cfg["rows_per_program"], cfg["num_warps"]
     if impl == "invariant":
         kernel = _log_softmax_kernel if kind == "log_softmax" else _row_mean_kernel

@@ -93,9 +93,9 @@ def save(name: str, rows: list, checks: list, *, command: str | None = None, fol
     return path
 
 
-def load(name: str, where: str = "h200") -> dict | None:
-    """Stored results ``results/<where>/<name>.json``, or ``None`` when absent."""
-    path = RESULTS / where / f"{name}.json"
+def load(name: str, where: str = "h200", root: Path | str | None = None) -> dict | None:
+    """Stored results ``<root>/<where>/<name>.json`` (``root``: ``results/``), or ``None`` when absent."""
+    path = (RESULTS if root is None else Path(root)) / where / f"{name}.json"
     if not path.exists():
         return None
     return json.loads(path.read_text())

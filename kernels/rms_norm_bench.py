@@ -7,6 +7,7 @@ import torch
 
 from . import rms_norm_family as fam
 from .bench import copy_bandwidth_gbs, median_us, rotating_sets
+from .cost import is_invariant
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -134,14 +135,14 @@ def bench(quick: bool) -> tuple:
     for op in ("rms_norm", "fused_add_rms_norm"):
         for t in tokens:
             cell = {r["impl"]: r for r in rows if r["op"] == op and r["tokens"] == t and r.get("median_us")}
-            best_inv = min((cell[k]["median_us"] for k in cell if "invariant" in k), default=None)
+            best_inv = min((cell[k]["median_us"] for k in cell if is_invariant(k)), default=None)
             peers = [cell[k]["median_us"] for k in ("triton-variant", "cuda-variant", "torch.compile") if k in cell]
             if best_inv is None or not peers:
                 continue
             checks.append({"name": f"{op} T={t}: fastest invariant <= fastest of variant and torch.compile",
                            "passed": best_inv <= min(peers), "ratio_invariant_over_fastest_peer": best_inv / min(peers)})
             if t >= 16384:
-                frac = max(cell[k]["fraction_of_copy"] for k in cell if "invariant" in k)
+                frac = max(cell[k]["fraction_of_copy"] for k in cell if is_invariant(k))
                 checks.append({"name": f"{op} T={t}: invariant reaches >= 90% of the copy ceiling",
                                "passed": frac >= 0.9, "fraction_of_copy": frac})
     return rows, checks

@@ -15,3 +15,17 @@ def to_f32(x):
         return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
         return x.to(tl.float32)
+
+
+@triton.jit
+def from_f32(v, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE rounded to nearest even (bf16 by integer arithmetic; NaN stays NaN)."""
+    if DTYPE == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+        r = tl.where(v != v, (u >> 16) | 0x40, r)  # quiet NaN, never rounded into infinity
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif DTYPE == tl.float16:
+        return v.to(tl.float16)
+    else:
+        return v
