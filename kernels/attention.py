@@ -146,12 +146,22 @@ class AttnConfig:
     num_warps: int = 4
     num_stages: int = 2
     decode_block_m: int | None = None
+    #: warps / pipeline stages of the decode-tile launch (``None``: ``num_warps`` / ``num_stages``)
+    decode_num_warps: int | None = None
+    decode_num_stages: int | None = None
+    #: ``l``'s row sum over a KV tile as a fixed pairwise tree (``tl.split`` halves: (0+1)+(2+3)...)
+    #: instead of ``tl.sum``, whose order follows the register layout of the tile
+    tree_row_sum: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
+        for name in ("decode_num_warps", "decode_num_stages"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be None or a positive int, got {v!r}")
         if (isinstance(self.split_size, bool) or not isinstance(self.split_size, int) or self.split_size < 1
                 or self.split_size % self.block_n):
             raise ValueError(f"split_size must be a positive multiple of block_n={self.block_n}, "
@@ -310,13 +320,45 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 # The kernels: partial states per split, then the fixed-order merge
 # --------------------------------------------------------------------------------------------
 
+@triton.jit
+def _pair_sum(x, ROWS: tl.constexpr, W: tl.constexpr):
+    """(ROWS, W) -> (ROWS, W / 2): column 2j + column 2j+1 (element-wise: no layout enters)."""
+    a, b = tl.split(tl.reshape(x, (ROWS, W // 2, 2)))
+    return a + b
+
+
+@triton.jit
+def _row_sum(p, TREE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sum of each row of ``p`` (ROWS, BLOCK_N).  ``TREE``: a fixed pairwise tree, the same
+    additions in the same order for any tile shape and warp count; else ``tl.sum``."""
+    if TREE:
+        x = _pair_sum(p, ROWS, BLOCK_N)
+        if BLOCK_N >= 4:
+            x = _pair_sum(x, ROWS, BLOCK_N // 2)
+        if BLOCK_N >= 8:
+            x = _pair_sum(x, ROWS, BLOCK_N // 4)
+        if BLOCK_N >= 16:
+            x = _pair_sum(x, ROWS, BLOCK_N // 8)
+        if BLOCK_N >= 32:
+            x = _pair_sum(x, ROWS, BLOCK_N // 16)
+        if BLOCK_N >= 64:
+            x = _pair_sum(x, ROWS, BLOCK_N // 32)
+        if BLOCK_N >= 128:
+            x = _pair_sum(x, ROWS, BLOCK_N // 64)
+        if BLOCK_N >= 256:
+            x = _pair_sum(x, ROWS, BLOCK_N // 128)
+        return tl.reshape(x, (ROWS,))
+    else:
+        return tl.sum(p, 1)
+
+
 @triton.jit(do_not_specialize=["max_splits", "q_heads", "scale", "s_bts"])
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_tok_ptr,
                        split_ptr, ws_acc_ptr, ws_ml_ptr, scale, max_splits, q_heads,
                        s_qt, s_qh, s_cb, s_cs, s_ch, s_bts,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       D_PAD: tl.constexpr, UPCAST: tl.constexpr):
+                       D_PAD: tl.constexpr, TREE_SUM: tl.constexpr, UPCAST: tl.constexpr):
     """Program (query tile, kv head, split): online softmax over the split's KV tiles, in
     increasing position order; writes fp32 (acc, m, l) for the tile's valid rows."""
     tile = tl.program_id(0)
@@ -372,7 +414,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_use)
         p = tl.exp(s - m_use[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        l = l * alpha + _row_sum(p, TREE_SUM, Q_TILE * QPK_PAD, BLOCK_N)
         if v.dtype == tl.float32:
             pv = tl.dot(p, v, input_precision="ieee")
         elif UPCAST:  # interpreter: p rounded to V's dtype (as on the GPU), then exact fp32 dot
@@ -619,8 +661,11 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
     T, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     d_pad = plan.ws_acc.shape[1]
-    for tile_seq, tile_tok, q_tile in ((plan.tile_seq, plan.tile_tok, plan.q_tile),
-                                       (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_q_tile)):
+    dec_warps = cfg.num_warps if cfg.decode_num_warps is None else cfg.decode_num_warps
+    dec_stages = cfg.num_stages if cfg.decode_num_stages is None else cfg.decode_num_stages
+    for tile_seq, tile_tok, q_tile, warps, stages in (
+            (plan.tile_seq, plan.tile_tok, plan.q_tile, cfg.num_warps, cfg.num_stages),
+            (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_q_tile, dec_warps, dec_stages)):
         if tile_seq.shape[0] == 0:
             continue
         _attn_split_kernel[(tile_seq.shape[0], hkv, plan.max_splits)](
@@ -628,7 +673,7 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
             plan.ws_acc, plan.ws_ml, scale, plan.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
-            D_PAD=d_pad, UPCAST=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            D_PAD=d_pad, TREE_SUM=cfg.tree_row_sum, UPCAST=INTERPRET, num_warps=warps, num_stages=stages)
     _attn_merge_kernel[(T, hq)](plan.ws_acc, plan.ws_ml, out, plan.tok_seq, plan.tok_pos, plan.split_t,
                                 plan.max_splits, hq, out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad,
                                 num_warps=1)

@@ -45,9 +45,9 @@ class _Paged:
         qsl = torch.tensor([0] + [s[1].shape[0] for s in steps]).cumsum(0).to(torch.int32)
         return torch.cat([s[1] for s in steps]), bt.cuda(), lens.cuda(), qsl.cuda()
 
-    def run(self, steps, impl="invariant"):
+    def run(self, steps, impl="invariant", config=None):
         q, bt, lens, qsl = self.args(steps)
-        o = A.attention(q, self.k, self.v, bt, lens, qsl, impl=impl)
+        o = A.attention(q, self.k, self.v, bt, lens, qsl, impl=impl, config=config)
         return list(o.split([s[1].shape[0] for s in steps]))
 
 
@@ -120,11 +120,7 @@ def consistency(quick: bool) -> tuple:
     recomputed = c3.run([("b", torch.cat([q[:p], qb]), n)])[0][p:]
     checks.append({"name": f"(c) prefix-cache hit ({p} keys) == recompute (bf16)",
                    "passed": bitwise_equal(hit, recomputed)})
-    # (d) every position decoded (one-token sequences sharing the blocks) == prefill
-    for t in range(n):
-        c.tables[("d", t)] = c.tables["s"]
-    dec = torch.cat(c.run([(("d", t), q[t:t + 1], t + 1) for t in range(n)]))
-    bad = (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
+    bad = _decode_positions_differing(c, q, pre, n)
     checks.append({"name": f"(d) prefill == decode at every position (bf16, n={n})", "passed": not bad,
                    "positions_differing": bad[:50]})
     ref = c.run([("s", q[-256:], n)], impl="reference")[0]
@@ -132,6 +128,59 @@ def consistency(quick: bool) -> tuple:
     sd = c.run([("s", q[-256:], n)], impl="sdpa")[0]
     checks.append({"name": "accuracy vs float64 (informational)", "passed": True, "informational": True,
                    "max_abs_err_kit": err, "max_abs_err_sdpa": (sd.double() - ref.double()).abs().max().item()})
+    return rows, checks
+
+
+def _decode_positions_differing(c, q, pre, n, config=None) -> list:
+    """(d): decode every position t < n (one-token sequences sharing the blocks of "s") and
+    return the positions whose output bits differ from the prefill's ``pre``."""
+    for t in range(n):
+        c.tables[("d", t)] = c.tables["s"]
+    dec = torch.cat(c.run([(("d", t), q[t:t + 1], t + 1) for t in range(n)], config=config))
+    return (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
+
+
+#: Schedules with a different decode launch (issue 6's speed work): 16-row decode tiles with one
+#: warp (the per-warp register layout of a 64-row, 4-warp prefill tile), and the fixed pairwise
+#: row sum that makes ``l`` independent of the layout; split sizes 128..512.
+DECODE_TILE_CONFIGS = [
+    A.AttnConfig(64, 64, 512),
+    A.AttnConfig(64, 64, 256),
+    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=1),
+    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=1),
+    A.AttnConfig(64, 64, 128, decode_block_m=16, decode_num_warps=1),
+    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=1, decode_num_stages=3),
+    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=1, tree_row_sum=True),
+    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=2, tree_row_sum=True),
+    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=4, tree_row_sum=True),
+    A.AttnConfig(64, 64, 512, tree_row_sum=True),
+]
+
+
+def decode_tiles(quick: bool, configs=None) -> tuple:
+    """For each schedule of ``configs`` (:data:`DECODE_TILE_CONFIGS`): property (d), prefill ==
+    decode at every position of an 8229-token prompt (bf16, production heads), then the decode
+    timings of :func:`tune`.  A schedule is worth shipping only if (d) holds on the GPU."""
+    configs = DECODE_TILE_CONFIGS if configs is None else configs
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    n = 2048 + 37 if quick else 8192 + 37
+    q, k, v = _seq(n, dtype, gen)
+    c = _Paged(2 * n, dtype, seed=5)
+    c.write("s", k, v, 0)
+    checks = []
+    for cfg in configs:
+        try:
+            pre = c.run([("s", q, n)], config=cfg)[0]
+            bad = _decode_positions_differing(c, q, pre, n, config=cfg)
+            checks.append({"name": f"(d) prefill == decode at every position (bf16, n={n}) with {cfg}",
+                           "passed": not bad, "positions_differing": len(bad), "first": bad[:20],
+                           "config": cfg.as_dict()})
+        except Exception as e:  # a schedule that does not compile: recorded
+            checks.append({"name": f"(d) with {cfg}", "passed": False, "error": repr(e)[:400], "config": cfg.as_dict()})
+        print(f"  {checks[-1]['name']}: {checks[-1]['passed']} {checks[-1].get('positions_differing', '')}",
+              flush=True)
+    rows, _ = tune(quick, configs=configs, prefill=False)
     return rows, checks
 
 
@@ -223,7 +272,7 @@ TUNE_CONFIGS = [(64, 64, 512, 4, 2), (64, 64, 256, 4, 2), (64, 64, 1024, 4, 2), 
                 (64, 32, 512, 4, 2, 16)]
 
 
-def tune(quick: bool) -> tuple:
+def tune(quick: bool, configs=None, prefill: bool = True) -> tuple:
     """Decode (batch 1/8/64 x context 1k/8k/32k) and prefill (4k) time of the invariant kernels
     for every schedule in :data:`TUNE_CONFIGS`, with SDPA on the gathered KV as the yardstick.
     Chooses nothing itself: the rows say which fixed schedule is fastest where."""
@@ -234,7 +283,7 @@ def tune(quick: bool) -> tuple:
              (64, 32768)]
     if quick:
         cells = cells[:4]
-    configs = [A.AttnConfig(*c) for c in TUNE_CONFIGS]
+    configs = [A.AttnConfig(*c) for c in TUNE_CONFIGS] if configs is None else configs
     rows = []
     for B, L in cells:
         gen = torch.Generator(device="cuda").manual_seed(B * 100003 + L)
@@ -265,6 +314,10 @@ def tune(quick: bool) -> tuple:
             line.append(f"{t['median_us']:.0f}")
         print(f"  B={B:<3} L={L:<6} sdpa {sd:.1f}us | " + " ".join(line), flush=True)
         del c
+    done = [{"name": "attention schedule sweep ran (timings are data, not pass/fail)", "passed": True,
+             "informational": True}]
+    if not prefill:
+        return rows, done
     n = 4096
     gen = torch.Generator(device="cuda").manual_seed(n)
     c = _Paged(n, dtype, seed=n)
@@ -287,5 +340,4 @@ def tune(quick: bool) -> tuple:
                      "cuda_graph": g})
         line.append(f"{t['median_us']:.0f}")
     print(f"  prefill n={n}: " + " ".join(line), flush=True)
-    return rows, [{"name": "attention schedule sweep ran (timings are data, not pass/fail)", "passed": True,
-                   "informational": True}]
+    return rows, done

@@ -112,9 +112,13 @@ def part_invariance_map(quick: bool, save=None) -> tuple:
 def part_matmul_sweep(quick: bool) -> tuple:
     from .matmul import gpu_sweep
 
-    shapes = [(4096, 4096)] if quick else [(4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096)]
-    ms = [1, 16, 256, 4096] if quick else [1, 4, 16, 64, 256, 1024, 4096, 8192]
-    return gpu_sweep(shapes, ms, torch.bfloat16, reps=50)
+    if quick:  # two shapes, six Ms, plus the vocabulary projection at decode sizes
+        rows, checks = gpu_sweep([(4096, 4096), (4096, 12288)], [1, 16, 64, 256, 1024, 4096], torch.bfloat16,
+                                 reps=50)
+        more = gpu_sweep([(151936, 4096)], [1, 16], torch.bfloat16, reps=30)
+        return rows + more[0], checks + more[1]
+    shapes = [(4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096)]
+    return gpu_sweep(shapes, [1, 4, 16, 64, 256, 1024, 4096, 8192], torch.bfloat16, reps=50)
 
 
 def _from(module: str, name: str):
@@ -145,6 +149,7 @@ PARTS = {
     "attention_consistency": _from("attention_bench", "consistency"),
     "attention_bench": _from("attention_bench", "bench"),
     "attention_tune": _from("attention_bench", "tune"),
+    "attention_decode_tiles": _from("attention_bench", "decode_tiles"),
     "e2e_model": _from("e2e_bench", "e2e_model"),
 }
 
