@@ -152,6 +152,9 @@ class AttnConfig:
     #: ``l``'s row sum over a KV tile as a fixed pairwise tree (``tl.split`` halves: (0+1)+(2+3)...)
     #: instead of ``tl.sum``, whose order follows the register layout of the tile
     tree_row_sum: bool = False
+    #: the merge as max-then-weighted-sum over chunks of 16 splits with fixed pairwise trees
+    #: (loads in parallel) instead of the serial left fold (one dependent load per split)
+    tree_merge: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
@@ -316,6 +319,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         BLOCK_T=16, KV_HEADS=hkv, H_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d, D_PAD=triton.next_power_of_2(d))
 
 
+#: splits merged per step by the tree merge (``AttnConfig.tree_merge``): a constant, never a
+#: function of the batch
+MERGE_CHUNK = 16
+
 # --------------------------------------------------------------------------------------------
 # The kernels: partial states per split, then the fixed-order merge
 # --------------------------------------------------------------------------------------------
@@ -433,7 +440,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
 def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, tok_seq_ptr, tok_pos_ptr, split_ptr, max_splits, q_heads,
-                       s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                       s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TREE: tl.constexpr,
+                       CHUNK: tl.constexpr):
     """Program (token, q head): the left fold of the row's split states 0, 1, 2, ... in fp32
     (element-wise: no reduction), then ``out = acc / l`` rounded once to out's dtype.  One
     program per row keeps the serial fold short and spreads a long context's many splits over
@@ -445,20 +453,41 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, tok_seq_ptr, tok_pos_ptr,
     n = pos // tl.load(split_ptr + seq) + 1  # the splits a row has: ceil((pos + 1) / split)
     d = tl.arange(0, D_PAD)
     w = (tok.to(tl.int64) * q_heads + h) * max_splits
-    m = tl.load(ws_ml_ptr + w * 2)
-    l = tl.load(ws_ml_ptr + w * 2 + 1)
-    acc = tl.load(ws_acc_ptr + w * D_PAD + d)
-    for i in range(1, n):
-        m_i = tl.load(ws_ml_ptr + (w + i) * 2)
-        l_i = tl.load(ws_ml_ptr + (w + i) * 2 + 1)
-        acc_i = tl.load(ws_acc_ptr + (w + i) * D_PAD + d)
-        m_new = tl.maximum(m, m_i)
-        a = tl.exp(m - m_new)
-        b = tl.exp(m_i - m_new)
-        l = l * a + l_i * b
-        acc = acc * a + acc_i * b
-        m = m_new
-    o = acc / l
+    if TREE:
+        # the row max over its n splits (max is exact in any order), then
+        # l = sum_i l_i e^(m_i - M), acc likewise, chunk by chunk of CHUNK splits; inside a chunk a
+        # fixed pairwise tree, chunks added in order: the order depends on n only
+        idx = tl.arange(0, CHUNK)
+        mx = tl.max(tl.load(ws_ml_ptr + (w + idx) * 2, mask=idx < n, other=float("-inf")), 0)
+        for c in range(CHUNK, n, CHUNK):
+            mx = tl.maximum(mx, tl.max(tl.load(ws_ml_ptr + (w + c + idx) * 2, mask=c + idx < n,
+                                               other=float("-inf")), 0))
+        l = tl.zeros((1,), tl.float32)
+        acc = tl.zeros((D_PAD,), tl.float32)
+        for c in range(0, n, CHUNK):
+            ok = c + idx < n
+            m_c = tl.load(ws_ml_ptr + (w + c + idx) * 2, mask=ok, other=float("-inf"))
+            l_c = tl.load(ws_ml_ptr + (w + c + idx) * 2 + 1, mask=ok, other=0.0)
+            acc_c = tl.load(ws_acc_ptr + (w + c + idx)[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0)
+            wgt = tl.where(ok, tl.exp(m_c - mx), 0.0)
+            l = l + _row_sum(tl.reshape(l_c * wgt, (1, CHUNK)), True, 1, CHUNK)
+            acc = acc + _row_sum(tl.trans(acc_c * wgt[:, None]), True, D_PAD, CHUNK)
+        o = acc / tl.sum(l, 0)  # (a sum of one element: exact)
+    else:  # the left fold (((s0 + s1) + s2) + ...): one dependent step per split
+        m = tl.load(ws_ml_ptr + w * 2)
+        l = tl.load(ws_ml_ptr + w * 2 + 1)
+        acc = tl.load(ws_acc_ptr + w * D_PAD + d)
+        for i in range(1, n):
+            m_i = tl.load(ws_ml_ptr + (w + i) * 2)
+            l_i = tl.load(ws_ml_ptr + (w + i) * 2 + 1)
+            acc_i = tl.load(ws_acc_ptr + (w + i) * D_PAD + d)
+            m_new = tl.maximum(m, m_i)
+            a = tl.exp(m - m_new)
+            b = tl.exp(m_i - m_new)
+            l = l * a + l_i * b
+            acc = acc * a + acc_i * b
+            m = m_new
+        o = acc / l
     tl.store(out_ptr + tok.to(tl.int64) * s_ot + h * s_oh + d, from_f32(o, out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 
@@ -676,7 +705,7 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
             D_PAD=d_pad, TREE_SUM=cfg.tree_row_sum, UPCAST=INTERPRET, num_warps=warps, num_stages=stages)
     _attn_merge_kernel[(T, hq)](plan.ws_acc, plan.ws_ml, out, plan.tok_seq, plan.tok_pos, plan.split_t,
                                 plan.max_splits, hq, out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad,
-                                num_warps=1)
+                                TREE=cfg.tree_merge, CHUNK=MERGE_CHUNK, num_warps=2 if cfg.tree_merge else 1)
     return out
 
 

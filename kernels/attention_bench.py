@@ -145,15 +145,19 @@ def _decode_positions_differing(c, q, pre, n, config=None) -> list:
 #: row sum that makes ``l`` independent of the layout; split sizes 128..512.
 DECODE_TILE_CONFIGS = [
     A.AttnConfig(64, 64, 512),
-    A.AttnConfig(64, 64, 256),
-    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=1),
-    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=1),
-    A.AttnConfig(64, 64, 128, decode_block_m=16, decode_num_warps=1),
-    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=1, decode_num_stages=3),
-    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=1, tree_row_sum=True),
-    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=2, tree_row_sum=True),
     A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=4, tree_row_sum=True),
-    A.AttnConfig(64, 64, 512, tree_row_sum=True),
+    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=4, tree_row_sum=True, tree_merge=True),
+    A.AttnConfig(64, 64, 128, decode_block_m=16, decode_num_warps=4, tree_row_sum=True, tree_merge=True),
+    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, tree_row_sum=True, tree_merge=True),
+    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=2, tree_row_sum=True, tree_merge=True),
+    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=4, decode_num_stages=3, tree_row_sum=True,
+                 tree_merge=True),
+    A.AttnConfig(64, 64, 128, decode_block_m=16, decode_num_warps=4, decode_num_stages=3, tree_row_sum=True,
+                 tree_merge=True),
+    A.AttnConfig(64, 64, 256, num_stages=3, decode_block_m=16, decode_num_warps=4, tree_row_sum=True,
+                 tree_merge=True),
+    A.AttnConfig(64, 64, 256, num_warps=8, decode_block_m=16, decode_num_warps=4, tree_row_sum=True,
+                 tree_merge=True),
 ]
 
 
@@ -180,7 +184,7 @@ def decode_tiles(quick: bool, configs=None) -> tuple:
             checks.append({"name": f"(d) with {cfg}", "passed": False, "error": repr(e)[:400], "config": cfg.as_dict()})
         print(f"  {checks[-1]['name']}: {checks[-1]['passed']} {checks[-1].get('positions_differing', '')}",
               flush=True)
-    rows, _ = tune(quick, configs=configs, prefill=False)
+    rows, _ = tune(quick, configs=configs)
     return rows, checks
 
 

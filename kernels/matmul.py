@@ -111,23 +111,23 @@ CONFIGS = [
     MMConfig("large_persistent", 128, 128, num_warps=8, num_stages=3, group_m=8, persistent=True),
     MMConfig("wide", 128, 256, num_warps=8, num_stages=3, group_m=8),
     MMConfig("m16", 16, 64, num_warps=4, num_stages=4, group_m=1),
-    # small M, memory-bound: narrow N tiles (many CTAs), deep pipelines, mma.sync tiles
-    MMConfig("t16n16", 16, 16, num_warps=1, num_stages=8, group_m=1),
-    MMConfig("t16n32", 16, 32, num_warps=2, num_stages=6, group_m=1),
-    MMConfig("t16n32s10", 16, 32, num_warps=1, num_stages=10, group_m=1),
-    MMConfig("t16n64s8", 16, 64, num_warps=2, num_stages=8, group_m=1),
+    # thin M (memory-bound): narrow N tiles for many CTAs, deep pipelines for bytes in flight
     MMConfig("t64n32s8", 64, 32, num_warps=4, num_stages=8, group_m=1),
+    MMConfig("t64n32s12", 64, 32, num_warps=4, num_stages=12, group_m=1),
+    MMConfig("t64n16s12", 64, 16, num_warps=4, num_stages=12, group_m=1),
+    MMConfig("t64n64s8", 64, 64, num_warps=4, num_stages=8, group_m=1),
+    MMConfig("t16n16", 16, 16, num_warps=1, num_stages=8, group_m=1),
+    MMConfig("t64n32tma", 64, 32, num_warps=4, num_stages=8, group_m=1, tma=True),
     MMConfig("t16n32tma", 16, 32, num_warps=2, num_stages=8, group_m=1, tma=True),
     MMConfig("t16n16tma", 16, 16, num_warps=1, num_stages=10, group_m=1, tma=True),
-    # large M: TMA loads, deeper pipelines, persistent grids, warp specialisation
-    MMConfig("wide4", 128, 256, num_warps=8, num_stages=4, group_m=8),
-    MMConfig("tall", 256, 128, num_warps=8, num_stages=4, group_m=8),
-    MMConfig("wide_tma", 128, 256, num_warps=8, num_stages=4, group_m=8, tma=True),
-    MMConfig("wide_tma_p", 128, 256, num_warps=8, num_stages=4, group_m=8, persistent=True, tma=True),
-    MMConfig("large_tma", 128, 128, num_warps=8, num_stages=4, group_m=8, tma=True),
-    MMConfig("large_tma_ws", 128, 128, num_warps=8, num_stages=4, group_m=8, tma=True, warp_spec=True),
-    MMConfig("wide_tma_ws", 128, 256, num_warps=8, num_stages=3, group_m=8, tma=True, warp_spec=True),
+    # mid and large M: TMA loads, deeper pipelines, persistent grid, warp specialisation
     MMConfig("mid_tma", 64, 128, num_warps=4, num_stages=6, group_m=8, tma=True),
+    MMConfig("large_tma", 128, 128, num_warps=8, num_stages=4, group_m=8, tma=True),
+    MMConfig("tall_tma", 256, 128, num_warps=8, num_stages=4, group_m=8, tma=True),
+    MMConfig("wide_tma", 128, 256, num_warps=8, num_stages=4, group_m=8, tma=True),
+    MMConfig("wide_tma3", 128, 256, num_warps=8, num_stages=3, group_m=8, tma=True),
+    MMConfig("wide_tma_p", 128, 256, num_warps=8, num_stages=4, group_m=8, persistent=True, tma=True),
+    MMConfig("wide_tma_ws", 128, 256, num_warps=8, num_stages=3, group_m=8, tma=True, warp_spec=True),
 ]
 _BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -135,7 +135,7 @@ _BY_NAME = {c.name: c for c in CONFIGS}
 #: Chosen from the H200 sweep of 2026-11-30 (results/h200/matmul_sweep.json, every config timed
 #: and proven to give the same bits): small tiles spread a thin M over many CTAs; from M > 256 the
 #: 128x256 tile is fastest.  fp32 uses "large" instead of "wide" (register budget).
-TABLE = [(64, "small", "mid"), (256, "mid", "wide"), (None, "wide", "wide")]
+TABLE = [(64, "t64n32s8", "mid"), (256, "mid_tma", "mid_tma"), (None, "wide_tma", "wide_tma")]
 
 
 def block_k(dtype: torch.dtype) -> int:
@@ -156,10 +156,10 @@ def select_config(M: int, N: int = 0, K: int = 0, dtype: torch.dtype = torch.bfl
     block_k(dtype)
     for bound, narrow, broad in TABLE:
         if bound is None or M <= bound:
-            name = narrow if N <= 8192 else broad
-            if name == "wide" and dtype == torch.float32:
-                name = "large"
-            return _BY_NAME[name]
+            cfg = _BY_NAME[narrow if N <= 8192 else broad]
+            if dtype == torch.float32 and cfg.block_m * cfg.block_n > 128 * 128:
+                cfg = _BY_NAME["large_tma" if cfg.tma else "large"]  # fp32 tiles: half the 16-bit budget
+            return cfg
     raise AssertionError("unreachable: the table ends with an unbounded row")
 
 
@@ -623,11 +623,12 @@ def bmm(a, b, *, impl="invariant", out=None, config=None):
 
 def _worth_timing(c: MMConfig, M: int) -> bool:
     """The sweep times thin tiles for thin M and big tiles for big M only (its time budget)."""
-    if c.block_m <= 32:
+    area = c.block_m * c.block_n
+    if area <= 64 * 64:
         return M <= 256
-    if c.block_m >= 128:
+    if area >= 128 * 128:
         return M >= 256
-    return True
+    return 16 <= M <= 4096
 
 
 def gpu_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: bool = True,
