@@ -133,6 +133,9 @@ __all__ = [
 IMPLS = ("invariant", "variant", "reference", "sdpa")
 
 
+ROW_SUMS = ("sum", "tree", "mma")
+
+
 @dataclass(frozen=True)
 class AttnConfig:
     """The reduction schedule: KV tile ``block_n``, rows per program ``block_m`` (query tokens
@@ -149,9 +152,11 @@ class AttnConfig:
     #: warps / pipeline stages of the decode-tile launch (``None``: ``num_warps`` / ``num_stages``)
     decode_num_warps: int | None = None
     decode_num_stages: int | None = None
-    #: ``l``'s row sum over a KV tile as a fixed pairwise tree (``tl.split`` halves: (0+1)+(2+3)...)
-    #: instead of ``tl.sum``, whose order follows the register layout of the tile
-    tree_row_sum: bool = False
+    #: how ``l`` sums a KV tile's probabilities per row: ``"sum"`` (``tl.sum``: its order follows
+    #: the register layout, so it may differ between tile shapes / warp counts), ``"tree"`` (a
+    #: fixed pairwise tree, (0+1)+(2+3)..., built from ``tl.split``: no layout enters) or ``"mma"``
+    #: (the rounded probabilities that multiply V, summed by the tensor cores: ``P @ ones``)
+    row_sum: str = "sum"
     #: the merge as max-then-weighted-sum over chunks of 16 splits with fixed pairwise trees
     #: (loads in parallel) instead of the serial left fold (one dependent load per split)
     tree_merge: bool = False
@@ -165,6 +170,8 @@ class AttnConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")
+        if self.row_sum not in ROW_SUMS:
+            raise ValueError(f"row_sum must be one of {ROW_SUMS}, got {self.row_sum!r}")
         if (isinstance(self.split_size, bool) or not isinstance(self.split_size, int) or self.split_size < 1
                 or self.split_size % self.block_n):
             raise ValueError(f"split_size must be a positive multiple of block_n={self.block_n}, "
@@ -176,9 +183,9 @@ class AttnConfig:
 
 #: Compiled on a GPU: 64-key tiles, 64-row programs, 512-key splits; decode steps in the same
 #: 64-row tiles (``decode_block_m=None``: see "Decode tiles" for why not 16).
-DEFAULT_CONFIG = AttnConfig(64, 64, 512)
+DEFAULT_CONFIG = AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True)
 #: Under the interpreter: small tiles so that short test contexts cross tile and split bounds.
-INTERPRETER_CONFIG = AttnConfig(32, 32, 64)
+INTERPRETER_CONFIG = AttnConfig(32, 32, 64, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True)
 
 
 def default_config() -> AttnConfig:
@@ -335,6 +342,22 @@ def _pair_sum(x, ROWS: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _tile_row_sum(p, ps, MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row sums of a tile's probabilities ``p`` (fp32) / ``ps`` (as rounded for ``P @ V``, fp32
+    values).  MODE 0: ``tl.sum(p)``; 1: the fixed pairwise tree of ``p``; 2: ``ps @ ones`` on
+    the tensor cores (16 equal columns; their max, exact, picks one)."""
+    if MODE == 2:
+        if ps.dtype == tl.float32:
+            ones = tl.full((BLOCK_N, 16), 1.0, tl.float32)
+            return tl.max(tl.dot(ps, ones, input_precision="ieee"), 1)
+        else:
+            ones = tl.full((BLOCK_N, 16), 1.0, ps.dtype)
+            return tl.max(tl.dot(ps, ones), 1)
+    else:
+        return _row_sum(p, MODE == 1, ROWS, BLOCK_N)
+
+
+@triton.jit
 def _row_sum(p, TREE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Sum of each row of ``p`` (ROWS, BLOCK_N).  ``TREE``: a fixed pairwise tree, the same
     additions in the same order for any tile shape and warp count; else ``tl.sum``."""
@@ -365,7 +388,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
                        s_qt, s_qh, s_cb, s_cs, s_ch, s_bts,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       D_PAD: tl.constexpr, TREE_SUM: tl.constexpr, UPCAST: tl.constexpr):
+                       D_PAD: tl.constexpr, ROW_SUM: tl.constexpr, UPCAST: tl.constexpr):
     """Program (query tile, kv head, split): online softmax over the split's KV tiles, in
     increasing position order; writes fp32 (acc, m, l) for the tile's valid rows."""
     tile = tl.program_id(0)
@@ -421,13 +444,16 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_use)
         p = tl.exp(s - m_use[:, None])
-        l = l * alpha + _row_sum(p, TREE_SUM, Q_TILE * QPK_PAD, BLOCK_N)
         if v.dtype == tl.float32:
+            ps = p
             pv = tl.dot(p, v, input_precision="ieee")
         elif UPCAST:  # interpreter: p rounded to V's dtype (as on the GPU), then exact fp32 dot
-            pv = tl.dot(to_f32(from_f32(p, v.dtype)), to_f32(v), input_precision="ieee")
+            ps = to_f32(from_f32(p, v.dtype))
+            pv = tl.dot(ps, to_f32(v), input_precision="ieee")
         else:
-            pv = tl.dot(from_f32(p, v.dtype), v)
+            ps = from_f32(p, v.dtype)
+            pv = tl.dot(ps, v)
+        l = l * alpha + _tile_row_sum(p, ps, ROW_SUM, Q_TILE * QPK_PAD, BLOCK_N)
         acc = acc * alpha[:, None] + pv
         m = m_new
 
@@ -702,7 +728,7 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
             plan.ws_acc, plan.ws_ml, scale, plan.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
-            D_PAD=d_pad, TREE_SUM=cfg.tree_row_sum, UPCAST=INTERPRET, num_warps=warps, num_stages=stages)
+            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), UPCAST=INTERPRET, num_warps=warps, num_stages=stages)
     _attn_merge_kernel[(T, hq)](plan.ws_acc, plan.ws_ml, out, plan.tok_seq, plan.tok_pos, plan.split_t,
                                 plan.max_splits, hq, out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad,
                                 TREE=cfg.tree_merge, CHUNK=MERGE_CHUNK, num_warps=2 if cfg.tree_merge else 1)

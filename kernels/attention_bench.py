@@ -145,18 +145,14 @@ def _decode_positions_differing(c, q, pre, n, config=None) -> list:
 #: row sum that makes ``l`` independent of the layout; split sizes 128..512.
 DECODE_TILE_CONFIGS = [
     A.AttnConfig(64, 64, 512),
-    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=4, tree_row_sum=True),
-    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=4, tree_row_sum=True, tree_merge=True),
-    A.AttnConfig(64, 64, 128, decode_block_m=16, decode_num_warps=4, tree_row_sum=True, tree_merge=True),
-    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, tree_row_sum=True, tree_merge=True),
-    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=2, tree_row_sum=True, tree_merge=True),
-    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=4, decode_num_stages=3, tree_row_sum=True,
-                 tree_merge=True),
-    A.AttnConfig(64, 64, 128, decode_block_m=16, decode_num_warps=4, decode_num_stages=3, tree_row_sum=True,
-                 tree_merge=True),
-    A.AttnConfig(64, 64, 256, num_stages=3, decode_block_m=16, decode_num_warps=4, tree_row_sum=True,
-                 tree_merge=True),
-    A.AttnConfig(64, 64, 256, num_warps=8, decode_block_m=16, decode_num_warps=4, tree_row_sum=True,
+    A.AttnConfig(64, 64, 512, row_sum="mma"),
+    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=True),
+    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True),
+    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True),
+    A.AttnConfig(64, 64, 1024, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True),
+    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=2, row_sum="mma", tree_merge=True),
+    A.AttnConfig(64, 64, 512, num_warps=8, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True),
+    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, decode_num_stages=3, row_sum="mma",
                  tree_merge=True),
 ]
 

@@ -100,10 +100,11 @@ class MMConfig:
         return asdict(self)
 
 
-#: Every named config.  The first four make the M-bucketed table (:data:`TABLE`); the last
-#: two are candidates only, for the GPU sweep: ``wide`` (128x256 tiles) and ``m16``
-#: (BLOCK_M = 16: on Hopper it compiles to ``mma.sync`` rather than ``wgmma``; whether the two
-#: instructions give the same bits is exactly what the sweep finds out).
+#: Every named config (all give the same bits: the tests and the GPU sweep check it).  The
+#: first six are the first session's (``m16``: BLOCK_M = 16 compiles to ``mma.sync`` rather
+#: than ``wgmma`` on Hopper; the two instructions gave the same bits); then thin-M configs with
+#: deep pipelines, and TMA configs (``tma=True``: Hopper's bulk tensor copies from host tensor
+#: descriptors; ``warp_spec``: a warp-specialised K loop).
 CONFIGS = [
     MMConfig("small", 64, 32, num_warps=4, num_stages=4, group_m=1),          # decode: many CTAs along N
     MMConfig("mid", 64, 128, num_warps=4, num_stages=4, group_m=8),
@@ -114,28 +115,25 @@ CONFIGS = [
     # thin M (memory-bound): narrow N tiles for many CTAs, deep pipelines for bytes in flight
     MMConfig("t64n32s8", 64, 32, num_warps=4, num_stages=8, group_m=1),
     MMConfig("t64n32s12", 64, 32, num_warps=4, num_stages=12, group_m=1),
-    MMConfig("t64n16s12", 64, 16, num_warps=4, num_stages=12, group_m=1),
-    MMConfig("t64n64s8", 64, 64, num_warps=4, num_stages=8, group_m=1),
-    MMConfig("t16n16", 16, 16, num_warps=1, num_stages=8, group_m=1),
-    MMConfig("t64n32tma", 64, 32, num_warps=4, num_stages=8, group_m=1, tma=True),
     MMConfig("t16n32tma", 16, 32, num_warps=2, num_stages=8, group_m=1, tma=True),
-    MMConfig("t16n16tma", 16, 16, num_warps=1, num_stages=10, group_m=1, tma=True),
     # mid and large M: TMA loads, deeper pipelines, persistent grid, warp specialisation
     MMConfig("mid_tma", 64, 128, num_warps=4, num_stages=6, group_m=8, tma=True),
     MMConfig("large_tma", 128, 128, num_warps=8, num_stages=4, group_m=8, tma=True),
     MMConfig("tall_tma", 256, 128, num_warps=8, num_stages=4, group_m=8, tma=True),
     MMConfig("wide_tma", 128, 256, num_warps=8, num_stages=4, group_m=8, tma=True),
-    MMConfig("wide_tma3", 128, 256, num_warps=8, num_stages=3, group_m=8, tma=True),
-    MMConfig("wide_tma_p", 128, 256, num_warps=8, num_stages=4, group_m=8, persistent=True, tma=True),
     MMConfig("wide_tma_ws", 128, 256, num_warps=8, num_stages=3, group_m=8, tma=True, warp_spec=True),
 ]
 _BY_NAME = {c.name: c for c in CONFIGS}
 
-#: (largest M, config for N <= 8192, config for N > 8192): the first row whose bound is >= M.
-#: Chosen from the H200 sweep of 2026-11-30 (results/h200/matmul_sweep.json, every config timed
-#: and proven to give the same bits): small tiles spread a thin M over many CTAs; from M > 256 the
-#: 128x256 tile is fastest.  fp32 uses "large" instead of "wide" (register budget).
-TABLE = [(64, "t64n32s8", "mid"), (256, "mid_tma", "mid_tma"), (None, "wide_tma", "wide_tma")]
+#: (largest M, config for N <= 8192, for N <= 65536, for larger N): the first row whose bound is
+#: >= M.  Chosen from the H200 sweep (results/h200/matmul_sweep.json: every candidate timed
+#: beside cuBLAS, every config proven to give the same bits): thin M wants narrow tiles and deep
+#: pipelines (memory-bound), wide N or M > 256 the 128x256 TMA tile.  fp32 takes "large_tma" /
+#: "large" for tiles over 128x128 (twice the bytes per element).
+TABLE = [(16, "t64n32s8", "m16", "mid"), (64, "t64n32s8", "mid_tma", "mid_tma"), (256, "mid_tma", "wide_tma", "wide_tma"),
+         (None, "wide_tma_ws", "wide_tma_ws", "wide_tma_ws")]
+#: the N bounds of TABLE's columns: N <= 8192, N <= 65536, larger (a vocabulary projection)
+TABLE_N = (8192, 65536)
 
 
 def block_k(dtype: torch.dtype) -> int:
@@ -154,9 +152,10 @@ def select_config(M: int, N: int = 0, K: int = 0, dtype: torch.dtype = torch.bfl
     if isinstance(M, bool) or not isinstance(M, int) or M < 0:
         raise ValueError(f"M must be a non-negative int, got {M!r}")
     block_k(dtype)
-    for bound, narrow, broad in TABLE:
-        if bound is None or M <= bound:
-            cfg = _BY_NAME[narrow if N <= 8192 else broad]
+    column = 1 if N <= TABLE_N[0] else 2 if N <= TABLE_N[1] else 3
+    for row in TABLE:
+        if row[0] is None or M <= row[0]:
+            cfg = _BY_NAME[row[column]]
             if dtype == torch.float32 and cfg.block_m * cfg.block_n > 128 * 128:
                 cfg = _BY_NAME["large_tma" if cfg.tma else "large"]  # fp32 tiles: half the 16-bit budget
             return cfg

@@ -74,15 +74,42 @@ def test_every_config_gives_the_default_bits(dtype):
     assert not bad, f"configs/M whose bits differ from the default: {bad}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_tma_configs_read_both_layouts(dtype):
+    """The TMA configs read B as (K, N) rows (mm/addmm) and as a linear weight's (N, K) rows;
+    both give the default config's bits.  Operands TMA cannot read (rows not 16-byte aligned)
+    fall back to pointer loads, again with the same bits."""
+    b, bias = _weights(dtype)
+    w = b.t().contiguous()
+    a = row_maker(K, dtype=dtype)(65)
+    ref = MM.linear(a, w, bias)
+    assert MM._tma_layout(a, b) is True and MM._tma_layout(a, w.t()) is False
+    tma = [c for c in MM.CONFIGS if c.tma]
+    assert tma and any(c.warp_spec for c in tma)
+    for cfg in tma:
+        assert bitwise_equal(MM.linear(a, w, bias, config=cfg), ref), cfg.name
+        assert bitwise_equal(MM.addmm(bias, a, b, config=cfg), ref), cfg.name
+    k = 157  # 314- or 628-byte rows: no TMA
+    b2, _ = _weights(dtype, k=k)
+    a2 = row_maker(k, dtype=dtype)(17)
+    assert MM._tma_layout(a2, b2) is None
+    ref2 = MM.mm(a2, b2, config="mid")
+    for cfg in tma:
+        assert bitwise_equal(MM.mm(a2, b2, config=cfg), ref2), cfg.name
+
+
 def test_config_table():
     names = {c.name for c in MM.CONFIGS}
     assert {c.name for c in MM.invariant_candidates()} == names
-    assert all(a in names and b in names for _, a, b in MM.TABLE)
-    picks = [MM.select_config(m, 4096).name for m in (1, 64, 65, 256, 257, 10 ** 6)]
-    assert picks == ["small", "small", "mid", "mid", "wide", "wide"]
-    picks = [MM.select_config(m, 151936).name for m in (1, 64, 65, 256, 257)]
-    assert picks == ["mid", "mid", "wide", "wide", "wide"]
-    assert MM.select_config(300, 4096, 4096, torch.float32).name == "large"
+    assert all(name in names for row in MM.TABLE for name in row[1:])
+    picks = [MM.select_config(m, 4096).name for m in (1, 16, 17, 64, 65, 256, 257, 10 ** 6)]
+    assert picks == ["t64n32s8"] * 4 + ["mid_tma"] * 2 + ["wide_tma_ws"] * 2
+    picks = [MM.select_config(m, 12288).name for m in (1, 16, 17, 64, 65, 256, 257)]
+    assert picks == ["m16", "m16", "mid_tma", "mid_tma", "wide_tma", "wide_tma", "wide_tma_ws"]
+    picks = [MM.select_config(m, 151936).name for m in (1, 16, 17, 64, 65, 256, 257)]
+    assert picks == ["mid", "mid", "mid_tma", "mid_tma", "wide_tma", "wide_tma", "wide_tma_ws"]
+    assert MM.select_config(300, 4096, 4096, torch.float32).name == "large_tma"  # fp32: no 128x256 tile
+    assert MM.select_config(1, 4096, 4096, torch.float32).name == "t64n32s8"
     assert MM.block_k(torch.bfloat16) == MM.block_k(torch.float16) == 64 and MM.block_k(torch.float32) == 32
     for m in MS:  # K order fixed: BLOCK_K and split_k never depend on M for the invariant impl
         info = MM.launch_info(m, N, 4096, torch.bfloat16)
