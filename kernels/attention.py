@@ -183,9 +183,9 @@ class AttnConfig:
 
 #: Compiled on a GPU: 64-key tiles, 64-row programs, 512-key splits; decode steps in the same
 #: 64-row tiles (``decode_block_m=None``: see "Decode tiles" for why not 16).
-DEFAULT_CONFIG = AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True)
+DEFAULT_CONFIG = AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=True)
 #: Under the interpreter: small tiles so that short test contexts cross tile and split bounds.
-INTERPRETER_CONFIG = AttnConfig(32, 32, 64, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True)
+INTERPRETER_CONFIG = AttnConfig(32, 32, 64, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=True)
 
 
 def default_config() -> AttnConfig:
