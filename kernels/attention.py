@@ -33,7 +33,7 @@ in the same way, whichever launch it is part of:
    ``acc`` (``alpha = exp(m_old - m_new)``, ``p = exp(s - m_new)``, ``l = l*alpha + sum(p)``,
    ``acc = acc*alpha + p @ V``; 16-bit ``p`` is rounded to V's dtype for the tensor cores);
 3. a second kernel (one program per token and q head) merges the partial states in a
-   fixed order, a left fold in fp32:
+   fixed order: the tree merge (below, the default) or a left fold in fp32:
    ``(((s0 + s1) + s2) + ...)`` with ``m = max(m_a, m_b)``, ``l = l_a*e^(m_a-m) + l_b*e^(m_b-m)``,
    ``acc`` likewise, then ``out = acc / l`` rounded once (RNE) to q's dtype.  One split still
    goes through the merge kernel (``out = acc / l``), so there is one path for every row.
@@ -41,22 +41,32 @@ in the same way, whichever launch it is part of:
 A program's query tile holds ``q_tile`` consecutive tokens of one sequence times the q heads
 of one kv head (the rows of ``tl.dot``); rows never mix (every reduction is along a row).
 
-Decode tiles (an option, off by default: the H200 refuted it)
--------------------------------------------------------------
+Decode tiles and the row sum (the default since the H200 runs of session 3)
+---------------------------------------------------------------------------
 A one-token step (decode) fills only ``q_heads / kv_heads`` rows of a tile (4 of 64 with 32 q
 and 8 kv heads): the other rows are masked work, and at large batches that work is most of
-the time (H200 sweep, ``attention_tune``).  With ``decode_block_m`` set (e.g. 16) a launch runs
-its one-token steps in a second launch of the *same kernel source* with a smaller tile.  Which
-tile a token gets depends on its own step only (``q_len == 1``), never on the batch, so batch
-invariance (property (a)) is untouched, and large-batch decode gets ~1.5x faster.  But prefill
-== decode (property (d)) then no longer holds by construction: it rests on ``tl.dot`` giving
-the same per-row bits for a 16-row and a 64-row tile.  Under the interpreter it does (numpy
-computes every row alike).  On the H200 it does **not**: the 16-row tile runs on a different
-tensor-core instruction than the 64-row one, and decode differed from prefill at dozens of the
-8229 positions of property (d) (``results/h200/decode_tiles_run11``).  For RL, where the sampler
-decodes and the trainer re-scores by prefill, (d) is the property that matters, so the default
-keeps one tile shape for every step; ``decode_block_m`` stays available for servers that need
-only (a).
+the time.  With ``decode_block_m=16`` a launch runs its one-token steps in a second launch of
+the *same kernel source* with 16-row tiles.  Which tile a token gets depends on its own step
+only (``q_len == 1``), never on the batch, so batch invariance (a) is untouched.  Prefill ==
+decode (d) needs more: every row must see the same arithmetic in a 64-row 4-warp tile and a
+16-row tile.  A first try (16 rows, 4 warps, ``tl.sum`` for ``l``) failed (d) on the H200 at
+dozens of positions (``results/h200/decode_tiles_run11``).  The matmul sweep had shown that
+the tensor-core instructions of the two tile shapes give the same bits, so the suspect was the
+row sum: ``tl.sum`` reduces in an order set by the register layout, and with 16 rows the 4 warps
+split a row's 64 keys among them (a cross-warp step the 64-row tile does not have).  The H200
+runs of session 3 (``results/h200/attention_decode_tiles.json`` and ``session3_schedules/``)
+confirmed it: (d) holds at all 8229 positions with one warp per 16-row tile (``tl.sum``, each warp
+owns whole rows as in the 64-row tile), and with any warp count once ``l`` is summed by a fixed
+pairwise tree (``row_sum="tree"``) or by the tensor cores (``row_sum="mma"``, ``P @ ones``).
+The default is ``decode_block_m=16, decode_num_warps=4, row_sum="tree"``, the fastest schedule
+of those runs at large batch.
+
+The merge (``tree_merge=True``, the default): the left fold below loads one split per
+dependent step, and at long contexts with few sequences (hundreds of splits, few programs)
+that serial chain was most of the time.  The tree merge takes the row's maximum ``M`` over its
+splits (exact in any order), then ``l = sum_i l_i e^(m_i - M)`` and ``acc`` likewise, chunk by
+chunk of 16 splits (:data:`MERGE_CHUNK`, a constant): a fixed pairwise tree inside a chunk,
+chunks added in order.  The order is a function of the row's split count only.
 
 Chunk alignment rule (enforced)
 -------------------------------

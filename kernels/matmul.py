@@ -37,8 +37,11 @@ share memory with an input.
 Under the Triton interpreter (no GPU) 16-bit tiles are widened to fp32 before ``tl.dot``
 (exact: the product of two 16-bit floats fits in fp32), because the interpreter's ``tl.dot``
 reads bf16 tiles as raw integers.  Compiled on a GPU, 16-bit tiles go to the tensor cores.
-No TMA / tensor descriptors are used (plain pointer loads), so the kernels need nothing newer
-than Triton 3.0 features (``tl.dot`` with ``acc`` and ``input_precision``).
+Loads: configs with ``tma=True`` read 2-D operands with Hopper TMA (host-side
+``triton.tools.tensor_descriptor.TensorDescriptor``; Triton >= 3.4; B either as (K, N) rows or
+as a linear weight's (N, K) rows), optionally with a warp-specialised K loop; everything else
+(bmm, unaligned rows, split-K) uses plain pointer loads.  The loads differ, the arithmetic does
+not: every config gives the same bits (tests on CPU, the H200 sweep on the GPU).
 """
 from __future__ import annotations
 

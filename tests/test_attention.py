@@ -8,6 +8,8 @@ Sizes follow the config (``A.default_config()``: 32-key tiles and 64-key splits 
 interpreter, 64/512 on a GPU), so the same tests cross tile, split and cache-block (16)
 boundaries on both; head dim 32, 4 q heads over 2 kv heads.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,7 +63,7 @@ class Cache:
         pos = torch.arange(start, n, device=DEV)
         A.write_kv(k, v, self.k, self.v, t[pos // BS].long() * BS + pos % BS)
 
-    def run(self, steps, impl="invariant", out=None):
+    def run(self, steps, impl="invariant", out=None, config=None):
         """steps: [(name, q of the new tokens, seq_len after the step)]; returns the outputs."""
         width = max(len(self.tables[n]) for n, _, _ in steps)
         bt = torch.zeros((len(steps), width), dtype=torch.int32)
@@ -70,7 +72,7 @@ class Cache:
         q = torch.cat([s[1] for s in steps])
         lens = torch.tensor([s[2] for s in steps], dtype=torch.int32, device=DEV)
         qsl = torch.tensor([0] + [s[1].shape[0] for s in steps], dtype=torch.int32).cumsum(0).to(torch.int32)
-        o = A.attention(q, self.k, self.v, bt.to(DEV), lens, qsl.to(DEV), impl=impl, out=out)
+        o = A.attention(q, self.k, self.v, bt.to(DEV), lens, qsl.to(DEV), impl=impl, out=out, config=config)
         return list(o.split([s[1].shape[0] for s in steps]))
 
 
@@ -218,14 +220,15 @@ def test_d_prefill_equals_decode_at_every_position(dtype):
 
 
 def test_decode_tiles_option_plumbing():
-    """``decode_block_m`` (off by default): one-token steps go to the decode group of the plan,
-    multi-token steps stay in prefill tiles, and under the interpreter the two tile shapes give
-    the same bits.  (On the H200 they do not, for prefill vs decode: see the module docstring;
-    that is why the default keeps one shape.  This test checks the plumbing, not that claim.)"""
-    assert CFG.decode_block_m is None, "the default must keep one tile shape (property (d) on the H200)"
-    dec_cfg = A.AttnConfig(CFG.block_n, CFG.block_m, CFG.split_size, CFG.num_warps, CFG.num_stages,
-                           decode_block_m=16)
-    single = A.AttnConfig(CFG.block_n, CFG.block_m, CFG.split_size, CFG.num_warps, CFG.num_stages)
+    """The default sends one-token steps (decode) to 16-row tiles (``decode_block_m``) with a
+    fixed pairwise row sum and the tree merge: one-token steps go to the decode group of the
+    plan, multi-token steps stay in prefill tiles, and the two tile shapes give the same bits
+    as one shape for all.  (On the H200 that equality needs the layout-free row sum: with
+    ``tl.sum`` and 4 warps on a 16-row tile, decode differed from prefill; see the module
+    docstring.)"""
+    assert (CFG.decode_block_m, CFG.row_sum, CFG.tree_merge) == (16, "tree", True)
+    dec_cfg = CFG
+    single = dataclasses.replace(CFG, decode_block_m=None)
     dtype = torch.bfloat16
     c = Cache(dtype, seed=3)
     steps = []
@@ -245,7 +248,7 @@ def test_decode_tiles_option_plumbing():
     qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
     plan = A.make_plan(q, HKV, lens, qsl, config=dec_cfg)
     assert plan.dec_tile_seq.tolist() == list(range(len(LENS))), "one-token steps must be decode tiles"
-    assert A.make_plan(q, HKV, lens, qsl, config=CFG).dec_tile_seq.numel() == 0
+    assert A.make_plan(q, HKV, lens, qsl, config=single).dec_tile_seq.numel() == 0
     assert plan.tile_seq.tolist() == [len(LENS)] * (2 * BN // plan.q_tile)
     args = (q, c.k, c.v, bt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
             torch.tensor(qsl, dtype=torch.int32, device=DEV))
@@ -254,6 +257,33 @@ def test_decode_tiles_option_plumbing():
     assert bitwise_equal(two, one)
     with pytest.raises(ValueError, match="decode_block_m"):
         A.AttnConfig(decode_block_m=24)
+    with pytest.raises(ValueError, match="row_sum"):
+        A.AttnConfig(row_sum="pairwise")
+    with pytest.raises(ValueError, match="decode_num_warps"):
+        A.AttnConfig(decode_num_warps=0)
+
+
+@pytest.mark.parametrize("row_sum", A.ROW_SUMS)
+def test_schedules_merge_many_splits(row_sum):
+    """Every row-sum mode with the tree merge over more than one chunk of 16 splits (32-key
+    splits, 560 keys: 18 splits): prefill == decode at split and chunk edges, close to float64;
+    and the left-fold merge (``tree_merge=False``) agrees to rounding, not bitwise (another
+    schedule)."""
+    cfg = A.AttnConfig(32, 32, 32, decode_block_m=16, row_sum=row_sum, tree_merge=True)
+    n, dtype = 560, torch.bfloat16
+    q, k, v = _seq(12, 0, n, dtype)
+    c = Cache(dtype, seed=8)
+    c.write("s", k, v, 0)
+    pre = c.run([("s", q, n)], config=cfg)[0]
+    ts = [31, 32, 511, 512, 543, n - 1]
+    for t in ts:
+        c.tables[("d", t)] = c.tables["s"]
+    dec = torch.cat(c.run([(("d", t), q[t:t + 1], t + 1) for t in ts], config=cfg))
+    assert bitwise_equal(dec, pre[ts])
+    ref = c.run([("s", q[-48:], n)], impl="reference")[0]
+    assert (pre[-48:].double() - ref.double()).abs().max().item() < TOL[dtype]
+    fold = c.run([("s", q[-48:], n)], config=dataclasses.replace(cfg, tree_merge=False))[0]
+    assert (fold.double() - pre[-48:].double()).abs().max().item() < TOL[dtype]
 
 
 # ---------------------------------------------------------------------------------------------
