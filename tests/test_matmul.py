@@ -117,10 +117,6 @@ def test_config_table():
     assert MM.launch_info(1, N, 4096, torch.bfloat16, impl="variant")["split_k"] == 8
     assert MM.launch_info(300, N, 4096, torch.bfloat16, impl="variant")["split_k"] == 1
     assert MM.launch_info(300, N, K, torch.float32, config="large_persistent")["persistent"]
-    chunks = -(-4096 // MM.k_chunk(torch.bfloat16))
-    info = MM.launch_info(1, N, 4096, torch.bfloat16, config="t64n32c")  # the fixed chunks as programs
-    assert chunks > 1 and info["chunk_programs"] == chunks and info["grid"][1] == chunks and info["split_k"] == 1
-    assert MM.launch_info(1, N, 4096, torch.bfloat16, config="t64n32s8")["chunk_programs"] == 1
     with pytest.raises(ValueError, match="config"):
         MM.mm(torch.ones(2, 2, device=DEV), torch.ones(2, 2, device=DEV), config="nope")
     with pytest.raises(TypeError, match="config"):
