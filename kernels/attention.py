@@ -371,7 +371,7 @@ def _tile_row_sum(p, ps, MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.con
 def _row_sum(p, TREE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Sum of each row of ``p`` (ROWS, BLOCK_N).  ``TREE``: a fixed pairwise tree, the same
     additions in the same order for any tile shape and warp count; else ``tl.sum``."""
-    if TREE:
+    if TREE:  # unrolled by hand: each level has another constexpr shape (checked on the H200 as is)
         x = _pair_sum(p, ROWS, BLOCK_N)
         if BLOCK_N >= 4:
             x = _pair_sum(x, ROWS, BLOCK_N // 2)
