@@ -182,6 +182,10 @@ class AttnConfig:
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")
         if self.row_sum not in ROW_SUMS:
             raise ValueError(f"row_sum must be one of {ROW_SUMS}, got {self.row_sum!r}")
+        if self.row_sum == "tree" and self.block_n > 256:
+            raise ValueError(f"row_sum='tree' supports block_n up to 256, got block_n={self.block_n}")
+        if self.decode_block_m is None and (self.decode_num_warps, self.decode_num_stages) != (None, None):
+            raise ValueError("decode_num_warps / decode_num_stages need decode_block_m (the decode-tile launch)")
         if (isinstance(self.split_size, bool) or not isinstance(self.split_size, int) or self.split_size < 1
                 or self.split_size % self.block_n):
             raise ValueError(f"split_size must be a positive multiple of block_n={self.block_n}, "
@@ -191,8 +195,9 @@ class AttnConfig:
         return asdict(self)
 
 
-#: Compiled on a GPU: 64-key tiles, 64-row programs, 512-key splits; decode steps in the same
-#: 64-row tiles (``decode_block_m=None``: see "Decode tiles" for why not 16).
+#: Compiled on a GPU: 64-key tiles, 64-row programs, 512-key splits for prefill; one-token steps
+#: in 16-row, 4-warp tiles; the fixed pairwise row sum and the tree merge (see "Decode tiles and
+#: the row sum": the fastest schedule at large batch of the H200 runs that keep property (d)).
 DEFAULT_CONFIG = AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=True)
 #: Under the interpreter: small tiles so that short test contexts cross tile and split bounds.
 INTERPRETER_CONFIG = AttnConfig(32, 32, 64, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=True)
@@ -478,8 +483,9 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
 def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, tok_seq_ptr, tok_pos_ptr, split_ptr, max_splits, q_heads,
                        s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TREE: tl.constexpr,
                        CHUNK: tl.constexpr):
-    """Program (token, q head): the left fold of the row's split states 0, 1, 2, ... in fp32
-    (element-wise: no reduction), then ``out = acc / l`` rounded once to out's dtype.  One
+    """Program (token, q head): the merge of the row's split states in fp32 in a fixed order:
+    ``TREE`` (the default config) the max-then-chunked-pairwise-sums of the module docstring,
+    else the left fold of states 0, 1, 2, ...; then ``out = acc / l`` rounded once to out's dtype.  One
     program per row keeps the serial fold short and spreads a long context's many splits over
     many SMs (one program per token for all its heads was slow at long contexts)."""
     tok = tl.program_id(0)

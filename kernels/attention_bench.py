@@ -140,9 +140,9 @@ def _decode_positions_differing(c, q, pre, n, config=None) -> list:
     return (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
 
 
-#: Schedules with a different decode launch (issue 6's speed work): 16-row decode tiles with one
-#: warp (the per-warp register layout of a 64-row, 4-warp prefill tile), and the fixed pairwise
-#: row sum that makes ``l`` independent of the layout; split sizes 128..512.
+#: Schedules with a different decode launch (issue 6's speed work; the list of the last session-3
+#: run): the shipped-before default, its ``row_sum="mma"`` twin, and 16-row decode tiles (2 or 4
+#: warps) with the layout-free row sums and the tree merge, splits of 256-1024 keys.
 DECODE_TILE_CONFIGS = [
     A.AttnConfig(64, 64, 512),
     A.AttnConfig(64, 64, 512, row_sum="mma"),
@@ -159,8 +159,8 @@ DECODE_TILE_CONFIGS = [
 
 def decode_tiles(quick: bool, configs=None) -> tuple:
     """For each schedule of ``configs`` (:data:`DECODE_TILE_CONFIGS`): property (d), prefill ==
-    decode at every position of an 8229-token prompt (bf16, production heads), then the decode
-    timings of :func:`tune`.  A schedule is worth shipping only if (d) holds on the GPU."""
+    decode at every position of an 8229-token prompt (2085 with ``quick``; bf16, production
+    heads), then the decode and prefill timings of :func:`tune`.  A schedule is worth shipping only if (d) holds on the GPU."""
     configs = DECODE_TILE_CONFIGS if configs is None else configs
     dtype = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(4)

@@ -228,7 +228,7 @@ def test_decode_tiles_option_plumbing():
     docstring.)"""
     assert (CFG.decode_block_m, CFG.row_sum, CFG.tree_merge) == (16, "tree", True)
     dec_cfg = CFG
-    single = dataclasses.replace(CFG, decode_block_m=None)
+    single = dataclasses.replace(CFG, decode_block_m=None, decode_num_warps=None, decode_num_stages=None)
     dtype = torch.bfloat16
     c = Cache(dtype, seed=3)
     steps = []
@@ -260,7 +260,11 @@ def test_decode_tiles_option_plumbing():
     with pytest.raises(ValueError, match="row_sum"):
         A.AttnConfig(row_sum="pairwise")
     with pytest.raises(ValueError, match="decode_num_warps"):
-        A.AttnConfig(decode_num_warps=0)
+        A.AttnConfig(decode_block_m=16, decode_num_warps=0)
+    with pytest.raises(ValueError, match="need decode_block_m"):
+        A.AttnConfig(decode_num_warps=2)
+    with pytest.raises(ValueError, match="block_n up to 256"):
+        A.AttnConfig(512, 64, 512, row_sum="tree")
 
 
 @pytest.mark.parametrize("row_sum", A.ROW_SUMS)
@@ -274,12 +278,13 @@ def test_schedules_merge_many_splits(row_sum):
     q, k, v = _seq(12, 0, n, dtype)
     c = Cache(dtype, seed=8)
     c.write("s", k, v, 0)
-    pre = c.run([("s", q[-48:], n)], config=cfg)[0]  # the last chunk (from key 512): 16-17 splits
-    ts = [512, 527, 543, n - 1]
+    pre = c.run([("s", q[480:], n)], config=cfg)[0]  # a chunk from key 480: rows with 16-18 splits
+    ts = [480, 511, 512, 527, 543, n - 1]  # 511: exactly one full chunk of 16 splits
     for t in ts:
         c.tables[("d", t)] = c.tables["s"]
     dec = torch.cat(c.run([(("d", t), q[t:t + 1], t + 1) for t in ts], config=cfg))
-    assert bitwise_equal(dec, pre[[t - 512 for t in ts]])
+    assert bitwise_equal(dec, pre[[t - 480 for t in ts]])
+    pre = pre[-48:]
     ref = c.run([("s", q[-48:], n)], impl="reference")[0]
     assert (pre.double() - ref.double()).abs().max().item() < TOL[dtype]
     fold = c.run([("s", q[-48:], n)], config=dataclasses.replace(cfg, tree_merge=False))[0]

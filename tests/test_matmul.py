@@ -75,27 +75,39 @@ def test_every_config_gives_the_default_bits(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-def test_tma_configs_read_both_layouts(dtype):
-    """The TMA configs read B as (K, N) rows (mm/addmm) and as a linear weight's (N, K) rows;
-    both give the default config's bits.  Operands TMA cannot read (rows not 16-byte aligned)
-    fall back to pointer loads, again with the same bits."""
+def test_tma_configs_read_both_layouts(dtype, monkeypatch):
+    """The TMA configs read B as (K, N) rows (mm/addmm) and as a linear weight's (N, K) rows,
+    persistent or not; each gives the bits of a pointer-load config ("mid"), and the TMA
+    launch really ran.  Operands TMA cannot read (rows not 16-byte aligned, a misaligned base,
+    expanded stride-0 rows) fall back to pointer loads, again with the same bits."""
+    calls = []
+    real = MM._launch_tma
+    monkeypatch.setattr(MM, "_launch_tma", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
     b, bias = _weights(dtype)
     w = b.t().contiguous()
     a = row_maker(K, dtype=dtype)(65)
-    ref = MM.linear(a, w, bias)
+    ref = MM.linear(a, w, bias, config="mid")
     assert MM._tma_layout(a, b) is True and MM._tma_layout(a, w.t()) is False
-    tma = [c for c in MM.CONFIGS if c.tma]
-    assert tma and any(c.warp_spec for c in tma)
+    tma = [c for c in MM.CONFIGS if c.tma] + [MM.MMConfig("p", 64, 64, 4, 2, 8, persistent=True, tma=True)]
+    assert any(c.warp_spec for c in tma)
     for cfg in tma:
+        calls.clear()
         assert bitwise_equal(MM.linear(a, w, bias, config=cfg), ref), cfg.name
         assert bitwise_equal(MM.addmm(bias, a, b, config=cfg), ref), cfg.name
+        assert calls == [False, True], (cfg.name, calls)  # (N, K) weight, then (K, N) rows
+    calls.clear()
     k = 157  # 314- or 628-byte rows: no TMA
     b2, _ = _weights(dtype, k=k)
     a2 = row_maker(k, dtype=dtype)(17)
-    assert MM._tma_layout(a2, b2) is None
-    ref2 = MM.mm(a2, b2, config="mid")
-    for cfg in tma:
-        assert bitwise_equal(MM.mm(a2, b2, config=cfg), ref2), cfg.name
+    buf = row_maker(K, dtype=dtype)(18).flatten()
+    a3 = buf[1:1 + 17 * K].view(17, K)  # a base 2 or 4 bytes past an aligned one
+    a4 = a[:1].expand(9, K)  # nine views of one row: stride 0
+    assert MM._tma_layout(a2, b2) is None and MM._tma_layout(a3, b) is None and MM._tma_layout(a4, b) is None
+    for x, y in ((a2, b2), (a3, b), (a4, b)):
+        want = MM.mm(x, y, config="mid")
+        for cfg in tma:
+            assert bitwise_equal(MM.mm(x, y, config=cfg), want), cfg.name
+    assert calls == []
 
 
 def test_config_table():
