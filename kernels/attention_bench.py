@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import attention as A
-from .bench import median_us
+from .bench import median_us_graph_or_plain
 from .harness import bits, bitwise_equal
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -186,10 +186,7 @@ def decode_tiles(quick: bool, configs=None) -> tuple:
 
 def _time(fn, per=None):
     """``per``: calls per CUDA graph, to time a peer exactly like the kit kernel of its cell."""
-    try:
-        return median_us(fn, warmup=5, reps=50, graph=True, calls_per_graph=per), True
-    except Exception:  # a capture that fails: time plain launches instead
-        return median_us(fn, warmup=5, reps=50), False
+    return median_us_graph_or_plain(fn, warmup=5, reps=50, calls_per_graph=per)
 
 
 def bench(quick: bool) -> tuple:

@@ -89,6 +89,18 @@ def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = No
             "calls_per_timing": per}
 
 
+def median_us_graph_or_plain(fn, *, graph: bool = True, **kw) -> tuple:
+    """``(timing, used_graph)``: :func:`median_us` with CUDA graphs when ``graph``, and plain
+    launches when the capture fails (``calls_per_graph`` then does not apply)."""
+    if graph:
+        try:
+            return median_us(fn, graph=True, **kw), True
+        except Exception:  # a capture that fails: time plain launches instead
+            pass
+    kw.pop("calls_per_graph", None)
+    return median_us(fn, **kw), False
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second), in GB/s."""
     n = nbytes // 2

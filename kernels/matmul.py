@@ -649,7 +649,7 @@ def gpu_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: bool =
         ``rotate``: enough copies of the operands to exceed L2, so weights are read from HBM).
 
     Returns ``(rows, checks)`` in the shape of :mod:`kernels.results`."""
-    from .bench import median_us, rotating_sets
+    from .bench import median_us_graph_or_plain, rotating_sets
     from .harness import bitwise_equal
 
     if not torch.cuda.is_available():
@@ -696,10 +696,7 @@ def gpu_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: bool =
                 else [(a, b, o)]
 
             def timed(impl, fn):
-                try:
-                    t, used = median_us(fn, reps=reps, rotate=sets, graph=graph), graph
-                except Exception:  # a capture that fails: time plain launches instead
-                    t, used = median_us(fn, reps=reps, rotate=sets), False
+                t, used = median_us_graph_or_plain(fn, reps=reps, rotate=sets, graph=graph)
                 us = t["median_us"]
                 rows.append({"op": "mm", "impl": impl, "dtype": dname, "M": M, "N": N, "K": K,
                              "median_us": us, "p25_us": t["p25_us"], "p75_us": t["p75_us"],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import moe
-from .bench import median_us
+from .bench import median_us_graph_or_plain
 from .harness import bitwise_equal, ulp_distance
 
 E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
@@ -113,10 +113,7 @@ def bench(quick: bool) -> tuple:
         cell = {}
         for impl in ("invariant", "variant"):
             fn = lambda a, impl=impl: moe.fused_moe(a, rw, w13, w2, TOPK, impl=impl)  # noqa: E731
-            try:
-                t, graph = median_us(fn, rotate=[(x,)], reps=30 if quick else 100, graph=True), True
-            except Exception:  # a capture that fails: time plain launches instead
-                t, graph = median_us(fn, rotate=[(x,)], reps=30 if quick else 100), False
+            t, graph = median_us_graph_or_plain(fn, rotate=[(x,)], reps=30 if quick else 100)
             flop = 2.0 * n * TOPK * 3 * HIDDEN * INTER
             cell[impl] = t["median_us"]
             rows.append({"op": "moe", "impl": f"kit-{impl}", "tokens": n, "experts": E, "top_k": TOPK,
