@@ -130,6 +130,7 @@ __all__ = [
     "slots",
     "write_kv",
     "query_tile",
+    "split_size_at",
     "split_plan",
     "attention",
     "AttnPlan",
@@ -144,6 +145,7 @@ IMPLS = ("invariant", "variant", "reference", "sdpa")
 
 
 ROW_SUMS = ("sum", "tree", "mma")
+PREFETCH_MODES = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,20 @@ class AttnConfig:
     #: the merge as max-then-weighted-sum over chunks of 16 splits with fixed pairwise trees
     #: (loads in parallel) instead of the serial left fold (one dependent load per split)
     tree_merge: bool = False
+    #: ``None``: every row's splits have ``split_size`` keys.  An int ``T``: a row whose keys
+    #: span ``n`` KV tiles (its diagonal tile included) gets splits of
+    #: ``min(split_size, block_n * next_pow2(ceil(n / T)))`` keys, so short contexts get short
+    #: splits (more programs) and no row has more than ``max(T, ...)`` splits below the cap.  A
+    #: function of the row's own position only (:func:`split_size_at`); the rows of a query
+    #: tile share their diagonal tile, hence their split size.
+    split_target: int | None = None
+    #: how the split loop fetches its KV tiles (the same values, the same arithmetic: only the
+    #: load schedule moves).  0: block-table entries, then K/V, then the math, tile by tile;
+    #: 1: the next tile's block-table entries are loaded one tile ahead; 2: also the next
+    #: tile's K and V (registers, double-buffered), block-table entries two tiles ahead
+    prefetch: int = 0
+    #: ``prefetch`` of the decode-tile launch (``None``: ``prefetch``)
+    decode_prefetch: int | None = None
 
     def __post_init__(self):
         for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
@@ -184,8 +200,17 @@ class AttnConfig:
             raise ValueError(f"row_sum must be one of {ROW_SUMS}, got {self.row_sum!r}")
         if self.row_sum == "tree" and self.block_n > 256:
             raise ValueError(f"row_sum='tree' supports block_n up to 256, got block_n={self.block_n}")
-        if self.decode_block_m is None and (self.decode_num_warps, self.decode_num_stages) != (None, None):
-            raise ValueError("decode_num_warps / decode_num_stages need decode_block_m (the decode-tile launch)")
+        if self.decode_block_m is None and (self.decode_num_warps, self.decode_num_stages,
+                                            self.decode_prefetch) != (None, None, None):
+            raise ValueError("decode_num_warps / decode_num_stages / decode_prefetch need decode_block_m "
+                             "(the decode-tile launch)")
+        for name in ("prefetch", "decode_prefetch"):
+            v = getattr(self, name)
+            if (v is not None or name == "prefetch") and (isinstance(v, bool) or v not in PREFETCH_MODES):
+                raise ValueError(f"{name} must be one of {PREFETCH_MODES}, got {v!r}")
+        v = self.split_target
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"split_target must be None or a positive int, got {v!r}")
         if (isinstance(self.split_size, bool) or not isinstance(self.split_size, int) or self.split_size < 1
                 or self.split_size % self.block_n):
             raise ValueError(f"split_size must be a positive multiple of block_n={self.block_n}, "
@@ -231,14 +256,27 @@ def _num_sms() -> int:
     return 8 if INTERPRET else _sm_count(torch.cuda.current_device())
 
 
+def split_size_at(pos: int, config: AttnConfig | None = None) -> int:
+    """Keys per split of the invariant schedule for a query row at position ``pos`` (a multiple
+    of ``block_n``): ``split_size``, or with ``split_target`` the position-graded size of
+    :class:`AttnConfig`.  Depends on the row's position and the config only, never on the
+    batch; every row of a query tile has the same diagonal tile, hence the same size."""
+    cfg = _cfg(config)
+    if cfg.split_target is None:
+        return cfg.split_size
+    tiles = int(pos) // cfg.block_n + 1  # KV tiles the row reads, its diagonal tile included
+    return min(cfg.split_size, triton.next_power_of_2(triton.cdiv(tiles, cfg.split_target)) * cfg.block_n)
+
+
 def split_plan(seq_lens, kv_heads: int, *, impl: str = "invariant", config: AttnConfig | None = None) -> list:
-    """Keys per split for each sequence (a multiple of ``block_n``).  Invariant: the config's
-    ``split_size`` for all.  Variant: ``num_splits = max(1, 2*SMs // (num_seqs*kv_heads))``,
+    """Keys per split for each sequence's last position (a multiple of ``block_n``).  Invariant:
+    :func:`split_size_at` of that position (the config's ``split_size`` for all, unless it
+    sets ``split_target``).  Variant: ``num_splits = max(1, 2*SMs // (num_seqs*kv_heads))``,
     ``split = ceil(ceil(seq_len / num_splits) / block_n) * block_n``: it depends on the batch."""
     cfg = _cfg(config)
     lens = [int(x) for x in seq_lens]
     if impl == "invariant":
-        return [cfg.split_size] * len(lens)
+        return [split_size_at(n - 1, cfg) for n in lens]
     if impl != "variant":
         raise ValueError(f"split_plan: impl must be 'invariant' or 'variant', got {impl!r}")
     num_splits = max(1, (2 * _num_sms()) // max(1, len(lens) * kv_heads))
@@ -397,15 +435,68 @@ def _row_sum(p, TREE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         return tl.sum(p, 1)
 
 
+@triton.jit
+def _tile_blocks(bt_row, t, key_end, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+    """Physical cache block of each key of KV tile ``t`` (keys ``>= key_end``: block 0, unread)."""
+    keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + keys // CACHE_BLOCK, mask=keys < key_end, other=0)
+
+
+@triton.jit
+def _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok,
+             BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+    """K (as ``(D, BLOCK_N)``) and V (``(BLOCK_N, D)``) of KV tile ``t`` from the paged cache;
+    keys ``>= key_end`` read as zeros."""
+    keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = keys < key_end
+    base = blk.to(tl.int64) * s_cb + (keys % CACHE_BLOCK) * s_cs + kv_off
+    kt = tl.load(kc_ptr + base[None, :] + d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+    v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    return kt, v
+
+
+@triton.jit
+def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                 ROW_SUM: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step over KV tile ``t`` (keys ``>= limit`` of a row are masked):
+    the arithmetic every schedule shares, whatever the load schedule around it."""
+    keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    if UPCAST:
+        kt = to_f32(kt)
+    if kt.dtype == tl.float32:
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    s = s * scale
+    s = tl.where(keys[None, :] < limit[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(s - m_use[:, None])
+    if v.dtype == tl.float32:
+        ps = p
+        pv = tl.dot(p, v, input_precision="ieee")
+    elif UPCAST:  # interpreter: p rounded to V's dtype (as on the GPU), then exact fp32 dot
+        ps = to_f32(from_f32(p, v.dtype))
+        pv = tl.dot(ps, to_f32(v), input_precision="ieee")
+    else:
+        ps = from_f32(p, v.dtype)
+        pv = tl.dot(ps, v)
+    l = l * alpha + _tile_row_sum(p, ps, ROW_SUM, ROWS, BLOCK_N)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l, acc
+
+
 @triton.jit(do_not_specialize=["max_splits", "q_heads", "scale", "s_bts"])
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_tok_ptr,
-                       split_ptr, ws_acc_ptr, ws_ml_ptr, scale, max_splits, q_heads,
+                       tile_split_ptr, ws_acc_ptr, ws_ml_ptr, scale, max_splits, q_heads,
                        s_qt, s_qh, s_cb, s_cs, s_ch, s_bts,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       D_PAD: tl.constexpr, ROW_SUM: tl.constexpr, UPCAST: tl.constexpr):
+                       D_PAD: tl.constexpr, ROW_SUM: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
     """Program (query tile, kv head, split): online softmax over the split's KV tiles, in
-    increasing position order; writes fp32 (acc, m, l) for the tile's valid rows."""
+    increasing position order; writes fp32 (acc, m, l) for the tile's valid rows.  ``PREFETCH``
+    (see :class:`AttnConfig`) moves loads earlier, never the arithmetic (``_tile_update``)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -425,10 +516,11 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
     # every valid row of the tile has the same diagonal KV tile (the chunk alignment rule)
     last_tok = tl.minimum(tok0 + Q_TILE, q_hi) - 1
     diag = (first_pos + (last_tok - q_lo)) // BLOCK_N
-    split_tiles = tl.load(split_ptr + seq) // BLOCK_N
+    split_tiles = tl.load(tile_split_ptr + tile) // BLOCK_N
     t_lo = split * split_tiles
     t_hi = tl.minimum(t_lo + split_tiles, diag + 1)
     limit = tl.where(row_ok, pos + 1, 1)  # keys < limit are visible to the row
+    key_end = tl.minimum(seq_len, t_hi * BLOCK_N)  # the split's last key + 1 (loads stop there)
 
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
@@ -439,38 +531,31 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
     m = tl.full((Q_TILE * QPK_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((Q_TILE * QPK_PAD,), tl.float32)
     acc = tl.zeros((Q_TILE * QPK_PAD, D_PAD), tl.float32)
-    n_off = tl.arange(0, BLOCK_N)
-    for t in range(t_lo, t_hi):  # KV tiles in increasing position order
-        keys = t * BLOCK_N + n_off
-        k_ok = keys < seq_len
-        blk = tl.load(bt_ptr + seq.to(tl.int64) * s_bts + keys // CACHE_BLOCK, mask=k_ok, other=0)
-        base = blk.to(tl.int64) * s_cb + (keys % CACHE_BLOCK) * s_cs + kvh * s_ch
-        kt = tl.load(kc_ptr + base[None, :] + d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
-        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            kt = to_f32(kt)
-        if kt.dtype == tl.float32:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = s * scale
-        s = tl.where(keys[None, :] < limit[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(s - m_use[:, None])
-        if v.dtype == tl.float32:
-            ps = p
-            pv = tl.dot(p, v, input_precision="ieee")
-        elif UPCAST:  # interpreter: p rounded to V's dtype (as on the GPU), then exact fp32 dot
-            ps = to_f32(from_f32(p, v.dtype))
-            pv = tl.dot(ps, to_f32(v), input_precision="ieee")
-        else:
-            ps = from_f32(p, v.dtype)
-            pv = tl.dot(ps, v)
-        l = l * alpha + _tile_row_sum(p, ps, ROW_SUM, Q_TILE * QPK_PAD, BLOCK_N)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+    bt_row = bt_ptr + seq.to(tl.int64) * s_bts
+    kv_off = kvh * s_ch
+    # KV tiles in increasing position order, whichever load schedule
+    if PREFETCH == 0:
+        for t in range(t_lo, t_hi):
+            blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
+            kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, Q_TILE * QPK_PAD, ROW_SUM, UPCAST)
+    elif PREFETCH == 1:
+        blk = _tile_blocks(bt_row, t_lo, key_end, BLOCK_N, CACHE_BLOCK)
+        for t in range(t_lo, t_hi):
+            kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
+            blk = _tile_blocks(bt_row, t + 1, key_end, BLOCK_N, CACHE_BLOCK)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, Q_TILE * QPK_PAD, ROW_SUM, UPCAST)
+    else:
+        blk = _tile_blocks(bt_row, t_lo, key_end, BLOCK_N, CACHE_BLOCK)
+        kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t_lo, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
+        blk = _tile_blocks(bt_row, t_lo + 1, key_end, BLOCK_N, CACHE_BLOCK)
+        for t in range(t_lo, t_hi):
+            kt_next, v_next = _tile_kv(kc_ptr, vc_ptr, blk, t + 1, key_end, kv_off, s_cb, s_cs, d, d_ok,
+                                       BLOCK_N, CACHE_BLOCK)
+            blk = _tile_blocks(bt_row, t + 2, key_end, BLOCK_N, CACHE_BLOCK)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, Q_TILE * QPK_PAD, ROW_SUM, UPCAST)
+            kt = kt_next
+            v = v_next
 
     keep = row_ok & ((rows * 0 + t_lo) < t_hi)
     w = (tok.to(tl.int64) * q_heads + head) * max_splits + split
@@ -480,7 +565,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
 
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
-def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, tok_seq_ptr, tok_pos_ptr, split_ptr, max_splits, q_heads,
+def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, tok_pos_ptr, tok_split_ptr, max_splits, q_heads,
                        s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TREE: tl.constexpr,
                        CHUNK: tl.constexpr):
     """Program (token, q head): the merge of the row's split states in fp32 in a fixed order:
@@ -490,9 +575,8 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, tok_seq_ptr, tok_pos_ptr,
     many SMs (one program per token for all its heads was slow at long contexts)."""
     tok = tl.program_id(0)
     h = tl.program_id(1)
-    seq = tl.load(tok_seq_ptr + tok)
     pos = tl.load(tok_pos_ptr + tok)
-    n = pos // tl.load(split_ptr + seq) + 1  # the splits a row has: ceil((pos + 1) / split)
+    n = pos // tl.load(tok_split_ptr + tok) + 1  # the splits a row has: ceil((pos + 1) / split)
     d = tl.arange(0, D_PAD)
     w = (tok.to(tl.int64) * q_heads + h) * max_splits
     if TREE:
@@ -676,51 +760,64 @@ class AttnPlan:
     q_tile: int
     qpk_pad: int
     max_splits: int
+    #: keys per split of each sequence's last position (:func:`split_plan`)
     split: list
     tile_seq: torch.Tensor
     tile_tok: torch.Tensor
-    tok_seq: torch.Tensor
+    #: keys per split of each query tile (all its rows share it) and of each token
+    tile_split: torch.Tensor
     tok_pos: torch.Tensor
-    split_t: torch.Tensor
+    tok_split: torch.Tensor
     ws_acc: torch.Tensor
     ws_ml: torch.Tensor
     #: the one-token steps' tiles when the config has a ``decode_block_m`` (else empty)
     dec_q_tile: int
     dec_tile_seq: torch.Tensor
     dec_tile_tok: torch.Tensor
+    dec_tile_split: torch.Tensor
 
 
 def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: str = "invariant",
               config: AttnConfig | None = None) -> AttnPlan:
-    """Query tiles, per-token (sequence, position), split sizes and the fp32 workspace of a
-    launch (``seq_lens``/``query_start_loc`` as Python lists; not validated here)."""
+    """Query tiles, per-token positions, split sizes (per tile and per token) and the fp32
+    workspace of a launch (``seq_lens``/``query_start_loc`` as Python lists; not validated
+    here).  Invariant: a tile's or a token's split size is :func:`split_size_at` of its
+    position; variant: the batch-chosen split of its sequence."""
     cfg = _cfg(config)
     T, hq, d = q.shape
     q_tile, qpk_pad = query_tile(hq, kv_heads, cfg)
     dec_q_tile, _ = query_tile(hq, kv_heads, cfg, decode=True)
     split = split_plan(seq_lens, kv_heads, impl=impl, config=cfg)
-    tile_seq, tile_tok, tok_seq, tok_pos = [], [], [], []
-    dec_seq, dec_tok = [], []
+    if impl == "invariant":
+        size_at = lambda s, pos: split_size_at(pos, cfg)  # noqa: E731
+    else:
+        size_at = lambda s, pos: split[s]  # noqa: E731
+    tiles = ([], [], [])  # multi-token tiles: sequence, first token, split size
+    dec = ([], [], [])  # one-token (decode) tiles
+    tok_pos, tok_split = [], []
     for s in range(len(seq_lens)):
         a, b = query_start_loc[s], query_start_loc[s + 1]
+        first = seq_lens[s] - (b - a)  # position of token a
         if b - a == 1 and cfg.decode_block_m is not None:  # a one-token step: a decode tile
-            dec_seq.append(s)
-            dec_tok.append(a)
+            starts, group = [a], dec
         else:
-            for t0 in range(a, b, q_tile):
-                tile_seq.append(s)
-                tile_tok.append(t0)
-        tok_seq += [s] * (b - a)
-        tok_pos += list(range(seq_lens[s] - (b - a), seq_lens[s]))
-    max_splits = max(triton.cdiv(n, sp) for n, sp in zip(seq_lens, split))
+            starts, group = range(a, b, q_tile), tiles
+        for t0 in starts:
+            group[0].append(s)
+            group[1].append(t0)
+            group[2].append(size_at(s, first + min(t0 + q_tile, b) - 1 - a))  # its last row's position
+        for pos in range(first, seq_lens[s]):
+            tok_pos.append(pos)
+            tok_split.append(size_at(s, pos))
+    max_splits = max(pos // sp + 1 for pos, sp in zip(tok_pos, tok_split))
     i32 = dict(dtype=torch.int32, device=q.device)
     d_pad = max(16, triton.next_power_of_2(d))
     return AttnPlan(cfg, q_tile, qpk_pad, max_splits, split,
-                    torch.tensor(tile_seq, **i32), torch.tensor(tile_tok, **i32), torch.tensor(tok_seq, **i32),
-                    torch.tensor(tok_pos, **i32), torch.tensor(split, **i32),
+                    *(torch.tensor(x, **i32) for x in tiles), torch.tensor(tok_pos, **i32),
+                    torch.tensor(tok_split, **i32),
                     torch.empty((T * hq * max_splits, d_pad), dtype=torch.float32, device=q.device),
                     torch.empty((T * hq * max_splits, 2), dtype=torch.float32, device=q.device),
-                    dec_q_tile, torch.tensor(dec_seq, **i32), torch.tensor(dec_tok, **i32))
+                    dec_q_tile, *(torch.tensor(x, **i32) for x in dec))
 
 
 def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out):
@@ -732,20 +829,23 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
     T, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     d_pad = plan.ws_acc.shape[1]
-    dec_warps = cfg.num_warps if cfg.decode_num_warps is None else cfg.decode_num_warps
-    dec_stages = cfg.num_stages if cfg.decode_num_stages is None else cfg.decode_num_stages
-    for tile_seq, tile_tok, q_tile, warps, stages in (
-            (plan.tile_seq, plan.tile_tok, plan.q_tile, cfg.num_warps, cfg.num_stages),
-            (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_q_tile, dec_warps, dec_stages)):
+    dec = lambda v, default: default if v is None else v  # noqa: E731
+    for tile_seq, tile_tok, tile_split, q_tile, warps, stages, prefetch in (
+            (plan.tile_seq, plan.tile_tok, plan.tile_split, plan.q_tile, cfg.num_warps, cfg.num_stages,
+             cfg.prefetch),
+            (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_tile_split, plan.dec_q_tile,
+             dec(cfg.decode_num_warps, cfg.num_warps), dec(cfg.decode_num_stages, cfg.num_stages),
+             dec(cfg.decode_prefetch, cfg.prefetch))):
         if tile_seq.shape[0] == 0:
             continue
         _attn_split_kernel[(tile_seq.shape[0], hkv, plan.max_splits)](
-            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, tile_seq, tile_tok, plan.split_t,
+            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, tile_seq, tile_tok, tile_split,
             plan.ws_acc, plan.ws_ml, scale, plan.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
-            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), UPCAST=INTERPRET, num_warps=warps, num_stages=stages)
-    _attn_merge_kernel[(T, hq)](plan.ws_acc, plan.ws_ml, out, plan.tok_seq, plan.tok_pos, plan.split_t,
+            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), PREFETCH=prefetch, UPCAST=INTERPRET,
+            num_warps=warps, num_stages=stages)
+    _attn_merge_kernel[(T, hq)](plan.ws_acc, plan.ws_ml, out, plan.tok_pos, plan.tok_split,
                                 plan.max_splits, hq, out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad,
                                 TREE=cfg.tree_merge, CHUNK=MERGE_CHUNK, num_warps=2 if cfg.tree_merge else 1)
     return out

@@ -140,20 +140,22 @@ def _decode_positions_differing(c, q, pre, n, config=None) -> list:
     return (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
 
 
-#: Schedules with a different decode launch (issue 6's speed work; the list of the last session-3
-#: run): the shipped-before default, its ``row_sum="mma"`` twin, and 16-row decode tiles (2 or 4
-#: warps) with the layout-free row sums and the tree merge, splits of 256-1024 keys.
+#: Decode schedules of the session-4 run (issue 6's speed work), all on the shipped decode tiles
+#: (16 rows, 4 warps, tree row sum, tree merge): the load schedule (``prefetch`` /
+#: ``decode_prefetch``, the same arithmetic) and position-graded splits (``split_target``, another
+#: fixed schedule).  The earlier lists are in git history and in the stored JSON's configs.
+_DT = dict(decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=True)
 DECODE_TILE_CONFIGS = [
-    A.AttnConfig(64, 64, 512),
-    A.AttnConfig(64, 64, 512, row_sum="mma"),
-    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=True),
-    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True),
-    A.AttnConfig(64, 64, 256, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True),
-    A.AttnConfig(64, 64, 1024, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True),
-    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=2, row_sum="mma", tree_merge=True),
-    A.AttnConfig(64, 64, 512, num_warps=8, decode_block_m=16, decode_num_warps=4, row_sum="mma", tree_merge=True),
-    A.AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, decode_num_stages=3, row_sum="mma",
-                 tree_merge=True),
+    A.AttnConfig(64, 64, 512, **_DT),
+    A.AttnConfig(64, 64, 512, prefetch=1, **_DT),
+    A.AttnConfig(64, 64, 512, prefetch=1, decode_prefetch=2, **_DT),
+    A.AttnConfig(64, 64, 512, prefetch=2, **_DT),
+    A.AttnConfig(64, 64, 512, prefetch=1, decode_prefetch=2, decode_num_stages=3, **_DT),
+    A.AttnConfig(64, 64, 512, prefetch=1, decode_prefetch=2, decode_num_stages=1, **_DT),
+    A.AttnConfig(64, 64, 1024, split_target=16, prefetch=1, decode_prefetch=2, **_DT),
+    A.AttnConfig(64, 64, 2048, split_target=16, prefetch=1, decode_prefetch=2, **_DT),
+    A.AttnConfig(64, 64, 1024, split_target=8, prefetch=1, decode_prefetch=2, **_DT),
+    A.AttnConfig(64, 64, 1024, split_target=16, prefetch=1, decode_prefetch=1, **_DT),
 ]
 
 

@@ -10,9 +10,15 @@ Public ops (each takes ``impl=``, ``out=`` and ``config=``):
 ``impl``:
 
 * ``"invariant"`` (default): every output element is reduced over K in ONE order whatever M is:
-  no split-K, ``BLOCK_K`` a function of the dtype only (:func:`block_k`), the K loop from 0
-  upward, ``acc = tl.dot(a, b, acc)`` with fp32 accumulation (fp32 inputs: ``input_precision=
-  "ieee"``, so TF32 never enters).  The M/N tiling (:data:`CONFIGS`, picked from M by
+  no split-K chosen from the shape, ``BLOCK_K`` a function of the dtype only (:func:`block_k`),
+  ``acc = tl.dot(a, b, acc)`` with fp32 accumulation (fp32 inputs: ``input_precision="ieee"``,
+  so TF32 never enters), K from 0 upward.  Up to ``K = 4096`` that is one loop over K.  A
+  longer K (a "long K", :func:`k_chunk`) is cut into fixed chunks of 2048 keys, each summed from
+  zero upward, the chunk sums added in chunk order: a *fixed* split-K, a function of K only
+  (the weight's shape), never of M, the matmul's twin of attention's fixed split size.  So
+  thin-M configs may compute each chunk in its own program (``split_chunks``) and add the fp32
+  chunk sums in the same order in a second kernel, with the same bits: more programs where
+  M is too thin to fill the GPU.  The M/N tiling (:data:`CONFIGS`, picked from M by
   :func:`select_config`) only decides *which program* computes an element, not *how*, so any
   config may be forced with ``config=`` and must give the same bits (tests and
   :func:`gpu_sweep` check that);
@@ -63,6 +69,7 @@ __all__ = [
     "CONFIGS",
     "TABLE",
     "block_k",
+    "k_chunk",
     "select_config",
     "invariant_candidates",
     "variant_split_k",
@@ -98,6 +105,9 @@ class MMConfig:
     tma: bool = False
     #: warp-specialised K loop (``tl.range(warp_specialize=True)``); TMA configs only
     warp_spec: bool = False
+    #: thin M: one program per (tile, K chunk), the chunks' fp32 sums added in chunk order by a
+    #: second kernel (the same additions the one-program loop does: the same bits, more CTAs)
+    split_chunks: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -119,6 +129,9 @@ CONFIGS = [
     MMConfig("t64n32s8", 64, 32, num_warps=4, num_stages=8, group_m=1),
     MMConfig("t64n32s12", 64, 32, num_warps=4, num_stages=12, group_m=1),
     MMConfig("t16n32tma", 16, 32, num_warps=2, num_stages=8, group_m=1, tma=True),
+    # thin M, long K: one program per (tile, fixed K chunk), chunk sums added in order
+    MMConfig("m16c", 16, 64, num_warps=4, num_stages=6, group_m=1, split_chunks=True),
+    MMConfig("midc", 64, 128, num_warps=4, num_stages=4, group_m=1, split_chunks=True),
     # mid and large M: TMA loads, deeper pipelines, persistent grid, warp specialisation
     MMConfig("mid_tma", 64, 128, num_warps=4, num_stages=6, group_m=8, tma=True),
     MMConfig("large_tma", 128, 128, num_warps=8, num_stages=4, group_m=8, tma=True),
@@ -137,6 +150,9 @@ TABLE = [(16, "t64n32s8", "m16", "mid"), (64, "t64n32s8", "mid_tma", "mid_tma"),
          (None, "wide_tma_ws", "wide_tma_ws", "wide_tma_ws")]
 #: the N bounds of TABLE's columns: N <= 8192, N <= 65536, larger (a vocabulary projection)
 TABLE_N = (8192, 65536)
+#: thin M over a long K (:func:`k_chunk` cuts K into chunks): one program per (tile, chunk), the
+#: first row whose bound is >= M; larger M uses TABLE (the chunk loop inside each program)
+TABLE_LONG_K = [(16, "m16c"), (64, "midc")]
 
 
 def block_k(dtype: torch.dtype) -> int:
@@ -149,12 +165,34 @@ def block_k(dtype: torch.dtype) -> int:
     raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
 
 
+#: (longest K summed in one loop, chunk length of a longer K): compiled, and under the
+#: interpreter (small, so that the tests' K crosses both)
+LONG_K = {False: (4096, 2048), True: (128, 64)}
+
+
+def k_chunk(K: int, dtype: torch.dtype) -> int:
+    """Keys per K chunk of the invariant order for a reduction of length ``K``: ``K`` itself
+    (one chunk, one loop) up to 4096, else 2048 (64 and 128 under the interpreter).  Every
+    output element is the in-order sum of its chunks' sums, each chunk summed from zero,
+    BLOCK_K at a time.  A function of K and the dtype only: never of M, so the order never
+    depends on the batch.  Why not chunk every K: on the H200 the chunk loop cost the large
+    tiles up to 10% at K = 4096 (run 17) and bought thin M most at K = 12288."""
+    bk = block_k(dtype)  # a float dtype, or TypeError
+    longest, chunk = LONG_K[INTERPRET]
+    assert chunk % bk == 0
+    return K if K <= longest else chunk
+
+
 def select_config(M: int, N: int = 0, K: int = 0, dtype: torch.dtype = torch.bfloat16) -> MMConfig:
     """The config the table picks for ``M`` rows of an (M, K) x (K, N) product.  Whatever is
     picked, the bits are the same (the tiling over M/N never touches the K order)."""
     if isinstance(M, bool) or not isinstance(M, int) or M < 0:
         raise ValueError(f"M must be a non-negative int, got {M!r}")
     block_k(dtype)
+    if K > 0 and k_chunk(K, dtype) < K:
+        for bound, name in TABLE_LONG_K:
+            if M <= bound:
+                return _BY_NAME[name]
     column = 1 if N <= TABLE_N[0] else 2 if N <= TABLE_N[1] else 3
     for row in TABLE:
         if row[0] is None or M <= row[0]:
@@ -209,16 +247,18 @@ def launch_info(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, 
     """What a launch of ``impl`` does for this shape: config, BLOCK_K, split_k, grid."""
     cfg = _resolve_config(config, M, N, K, dtype)
     bk = block_k(dtype)
-    split = variant_split_k(M, N, K, dtype) if impl == "variant" else 1
+    programs_k, _, chunk_blocks = _k_plan(impl, cfg, M, N, K, dtype)
+    split = programs_k if impl == "variant" else 1
     tiles = batch * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    persistent = cfg.persistent and split == 1
+    persistent = cfg.persistent and programs_k == 1
     progs = _num_programs_persistent(tiles) if persistent and tiles else tiles
     return {"impl": impl, "M": M, "N": N, "K": K, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
             "config": cfg.name, "block_m": cfg.block_m, "block_n": cfg.block_n, "block_k": bk,
             "split_k": split, "k_blocks": triton.cdiv(K, bk) if K else 0, "persistent": persistent,
-            "tiles": tiles, "grid": (progs, split), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-            # whether the config reads with TMA when the operands allow it (see _tma_layout)
-            "tma": cfg.tma and split == 1 and batch == 1, "warp_spec": cfg.warp_spec}
+            "k_chunk": chunk_blocks * bk or K, "chunk_programs": programs_k if impl != "variant" else 1,
+            "tiles": tiles, "grid": (progs, programs_k), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "tma": cfg.tma and programs_k == 1 and batch == 1, "warp_spec": cfg.warp_spec,
+            "split_chunks": programs_k > 1 and impl != "variant"}
 
 
 from .tl_numerics import from_f32, to_f32  # noqa: E402  (the exact fp32 <-> 16-bit moves)
@@ -259,15 +299,31 @@ def _epilogue(acc, c_ptr, bias_ptr, bid, pid_m, pid_n, M, N, s_cb, s_cm, s_cn, s
 
 
 @triton.jit
-def _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, M, N, K, n_batch,
+def _ptr_step(a_base, b_base, acc, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """``acc += A[:, kb-th K block] @ B[kb-th K block, :]`` from pointer loads (masked: zeros)."""
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = k < K
+    kk = k.to(tl.int64)
+    a = tl.load(a_base + kk[None, :] * s_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    b = tl.load(b_base + kk[:, None] * s_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+    if UPCAST:  # interpreter: exact fp32 tiles (its tl.dot misreads bf16)
+        a = to_f32(a)
+        b = to_f32(b)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, blocks_per_split, M, N, K, n_batch,
           s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_biasm, s_biasn,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-          SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
+          CHUNK_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
     """One output tile (and, with SPLIT_K > 1, one K range of it)."""
     bid, pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)
@@ -276,28 +332,23 @@ def _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, M, N, K, n_batch,
     b_base = b_ptr + bid.to(tl.int64) * s_bb + cols[None, :] * s_bn
 
     k_blocks = tl.cdiv(K, BLOCK_K)
-    if SPLIT_K == 1:
-        kb_lo = 0
-        kb_hi = k_blocks
-    else:
-        per_split = tl.cdiv(k_blocks, SPLIT_K)
-        kb_lo = split * per_split
-        kb_hi = tl.minimum(kb_lo + per_split, k_blocks)
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(kb_lo, kb_hi):  # always upward from the range's first block
-        k = kb * BLOCK_K + offs_k
-        mask_k = k < K
-        kk = k.to(tl.int64)
-        a = tl.load(a_base + kk[None, :] * s_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_base + kk[:, None] * s_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if UPCAST:  # interpreter: exact fp32 tiles (its tl.dot misreads bf16)
-            a = to_f32(a)
-            b = to_f32(b)
-        if a.dtype == tl.float32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+    if SPLIT_K == 1 and CHUNK_BLOCKS == 0:  # the whole K in one loop
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, k_blocks):  # upward
+            acc = _ptr_step(a_base, b_base, acc, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K, UPCAST)
+    elif SPLIT_K == 1:  # a long K: chunk sums from zero, added in chunk order
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c0 in range(0, k_blocks, CHUNK_BLOCKS):
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kb in range(c0, tl.minimum(c0 + CHUNK_BLOCKS, k_blocks)):  # upward
+                part = _ptr_step(a_base, b_base, part, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K, UPCAST)
+            acc += part
+    else:  # one K range: one chunk (the invariant's chunk split) or one variant split
+        kb_lo = split * blocks_per_split
+        kb_hi = tl.minimum(kb_lo + blocks_per_split, k_blocks)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):  # always upward from the range's first block
+            acc = _ptr_step(a_base, b_base, acc, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K, UPCAST)
 
     if SPLIT_K == 1:
         _epilogue(acc, c_ptr, bias_ptr, bid, pid_m, pid_n, M, N, s_cb, s_cm, s_cn, s_biasm, s_biasn,
@@ -309,23 +360,23 @@ def _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, M, N, K, n_batch,
 
 
 @triton.jit
-def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, M, N, K, n_batch, total_tiles,
+def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, blocks_per_split, M, N, K, n_batch, total_tiles,
                s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_biasm, s_biasn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-               SPLIT_K: tl.constexpr, PERSISTENT: tl.constexpr, HAS_BIAS: tl.constexpr,
-               UPCAST: tl.constexpr):
+               CHUNK_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, PERSISTENT: tl.constexpr,
+               HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
     """Grid ``(tiles or persistent programs, SPLIT_K)``.  Persistent: program p does tiles
     p, p + P, p + 2P, ... (P = number of programs); each tile's K order is the same."""
     split = tl.program_id(1)
     if PERSISTENT:
         for tile in range(tl.program_id(0), total_tiles, tl.num_programs(0)):
-            _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, M, N, K, n_batch,
+            _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, blocks_per_split, M, N, K, n_batch,
                   s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_biasm, s_biasn,
-                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, HAS_BIAS, UPCAST)
+                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CHUNK_BLOCKS, SPLIT_K, HAS_BIAS, UPCAST)
     else:
-        _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tl.program_id(0), split, M, N, K, n_batch,
+        _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tl.program_id(0), split, blocks_per_split, M, N, K, n_batch,
               s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_biasm, s_biasn,
-              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, HAS_BIAS, UPCAST)
+              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CHUNK_BLOCKS, SPLIT_K, HAS_BIAS, UPCAST)
 
 
 @triton.jit
@@ -352,10 +403,12 @@ def _tma_step(a_desc, b_desc, acc, kb, off_m, off_n, BLOCK_K: tl.constexpr, BLOC
 @triton.jit
 def _mm_tma_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, total_tiles, s_cm, s_cn, s_biasm, s_biasn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   B_KN: tl.constexpr, PERSISTENT: tl.constexpr, WARP_SPEC: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
-    """The invariant matmul with TMA loads (2-D operands, no split-K): the same tiles, the same
-    K loop (0 upward, BLOCK_K fixed by the dtype, ``acc = tl.dot(a, b, acc)``) as ``_tile``."""
+                   CHUNK_BLOCKS: tl.constexpr, B_KN: tl.constexpr, PERSISTENT: tl.constexpr,
+                   WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
+    """The invariant matmul with TMA loads (2-D operands, one program per tile): the same tiles
+    and the same K order as ``_tile`` (one loop, or with CHUNK_BLOCKS > 0 chunks of CHUNK_BLOCKS
+    blocks, each summed from zero upward with ``part = tl.dot(a, b, part)``, added to ``acc``
+    in chunk order)."""
     if PERSISTENT:
         first, step = tl.program_id(0), tl.num_programs(0)
     else:
@@ -366,12 +419,24 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, total_tiles, s_cm, 
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if WARP_SPEC:
-            for kb in tl.range(0, k_blocks, warp_specialize=True):
-                acc = _tma_step(a_desc, b_desc, acc, kb, off_m, off_n, BLOCK_K, BLOCK_N, B_KN, UPCAST)
+        if CHUNK_BLOCKS == 0:  # the whole K in one loop
+            if WARP_SPEC:
+                for kb in tl.range(0, k_blocks, warp_specialize=True):
+                    acc = _tma_step(a_desc, b_desc, acc, kb, off_m, off_n, BLOCK_K, BLOCK_N, B_KN, UPCAST)
+            else:
+                for kb in range(0, k_blocks):
+                    acc = _tma_step(a_desc, b_desc, acc, kb, off_m, off_n, BLOCK_K, BLOCK_N, B_KN, UPCAST)
         else:
-            for kb in range(0, k_blocks):
-                acc = _tma_step(a_desc, b_desc, acc, kb, off_m, off_n, BLOCK_K, BLOCK_N, B_KN, UPCAST)
+            for c0 in range(0, k_blocks, CHUNK_BLOCKS):
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                c1 = tl.minimum(c0 + CHUNK_BLOCKS, k_blocks)
+                if WARP_SPEC:
+                    for kb in tl.range(c0, c1, warp_specialize=True):
+                        part = _tma_step(a_desc, b_desc, part, kb, off_m, off_n, BLOCK_K, BLOCK_N, B_KN, UPCAST)
+                else:
+                    for kb in range(c0, c1):
+                        part = _tma_step(a_desc, b_desc, part, kb, off_m, off_n, BLOCK_K, BLOCK_N, B_KN, UPCAST)
+                acc += part
         _epilogue(acc, c_ptr, bias_ptr, bid, pid_m, pid_n, M, N, 0, s_cm, s_cn, s_biasm, s_biasn,
                   BLOCK_M, BLOCK_N, HAS_BIAS)
 
@@ -397,6 +462,26 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, bias_ptr, M, N, n_batch,
     tl.store(c_ptr + c_offs, from_f32(acc, c_ptr.dtype.element_ty), mask=mask)
 
 
+def _k_plan(impl, cfg, M, N, K, dtype) -> tuple:
+    """``(programs along K, K blocks per program, K blocks per chunk)`` of a launch (0 blocks
+    per chunk: K is not long, one loop).  Invariant: one program per tile (the chunk loop
+    inside), or with ``split_chunks`` and a long K one per chunk; variant: the split count of
+    :func:`variant_split_k`, an even share of the blocks each."""
+    bk = block_k(dtype)
+    k_blocks = triton.cdiv(K, bk) if K > 0 else 0
+    chunk = k_chunk(K, dtype)
+    chunk_blocks = chunk // bk if chunk < K else 0
+    if impl == "variant":
+        split = variant_split_k(M, N, K, dtype)
+        return split, triton.cdiv(k_blocks, split) if split > 1 else k_blocks, chunk_blocks
+    if chunk_blocks == 0:
+        return 1, k_blocks, 0
+    chunks = triton.cdiv(k_blocks, chunk_blocks)
+    if cfg.split_chunks and chunks > 1:
+        return chunks, chunk_blocks, chunk_blocks
+    return 1, k_blocks, chunk_blocks
+
+
 def _tma_layout(a, b):
     """For 2-D ``a`` (M, K) and ``b`` (K, N): ``True`` when B can be read by TMA as (K, N) rows,
     ``False`` as its (N, K) transpose (a linear weight), ``None`` when TMA cannot read them
@@ -416,7 +501,7 @@ def _tma_layout(a, b):
     return None
 
 
-def _launch_tma(a, b, out, bias, bias_strides, has_bias, b_kn, cfg, bk, tiles, progs, persistent):
+def _launch_tma(a, b, out, bias, bias_strides, has_bias, b_kn, cfg, bk, chunk_blocks, tiles, progs, persistent):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, bk])
@@ -426,8 +511,8 @@ def _launch_tma(a, b, out, bias, bias_strides, has_bias, b_kn, cfg, bk, tiles, p
     N = b.shape[1]
     _mm_tma_kernel[(progs,)](
         a_desc, b_desc, out, bias, M, N, K, tiles, out.stride(0), out.stride(1), *bias_strides,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, B_KN=b_kn,
-        PERSISTENT=persistent, WARP_SPEC=cfg.warp_spec, HAS_BIAS=has_bias, UPCAST=INTERPRET,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, CHUNK_BLOCKS=chunk_blocks,
+        B_KN=b_kn, PERSISTENT=persistent, WARP_SPEC=cfg.warp_spec, HAS_BIAS=has_bias, UPCAST=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -445,7 +530,7 @@ def _launch(a3, b3, out3, bias2, impl, config):
     dtype = a3.dtype
     cfg = _resolve_config(config, M, N, K, dtype)
     bk = block_k(dtype)
-    split = variant_split_k(M, N, K, dtype) if impl == "variant" else 1
+    split, per_split, chunk_blocks = _k_plan(impl, cfg, M, N, K, dtype)
     tiles = B * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     persistent = cfg.persistent and split == 1
     progs = _num_programs_persistent(tiles) if persistent else tiles
@@ -455,15 +540,15 @@ def _launch(a3, b3, out3, bias2, impl, config):
     if cfg.tma and split == 1 and B == 1:
         b_kn = _tma_layout(a3[0], b3[0])
         if b_kn is not None:
-            _launch_tma(a3[0], b3[0], out3[0], bias, (s_biasm, s_biasn), has_bias, b_kn, cfg, bk, tiles,
-                        progs, persistent)
+            _launch_tma(a3[0], b3[0], out3[0], bias, (s_biasm, s_biasn), has_bias, b_kn, cfg, bk, chunk_blocks,
+                        tiles, progs, persistent)
             return
     ws = torch.empty((split, B, M, N), dtype=torch.float32, device=a3.device) if split > 1 else out3
     _mm_kernel[(progs, split)](
-        a3, b3, out3, bias, ws, M, N, K, B, tiles,
+        a3, b3, out3, bias, ws, per_split, M, N, K, B, tiles,
         a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
         out3.stride(0), out3.stride(1), out3.stride(2), s_biasm, s_biasn,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, CHUNK_BLOCKS=chunk_blocks,
         SPLIT_K=split, PERSISTENT=persistent, HAS_BIAS=has_bias, UPCAST=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

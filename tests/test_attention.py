@@ -291,6 +291,62 @@ def test_schedules_merge_many_splits(row_sum):
     assert (fold.double() - pre.double()).abs().max().item() < TOL[dtype]
 
 
+def test_load_schedules_give_the_same_bits():
+    """``prefetch`` / ``decode_prefetch`` move loads (block-table entries one tile ahead; K and V
+    one tile ahead, double-buffered), never arithmetic: a mixed launch (decode rows across
+    tiles and splits, plus a prefill chunk) gives the default schedule's bits with each."""
+    dtype = torch.bfloat16
+    c = Cache(dtype, seed=3)
+    steps = []
+    for r, n in enumerate(LENS):
+        q, k, v = _seq(6, r, n, dtype)
+        c.write(r, k, v, 0)
+        steps.append((r, q[-1:], n))
+    qp, kp, vp = _seq(6, 99, 3 * BN + 5, dtype)
+    c.write("p", kp, vp, 0)
+    steps.append(("p", qp[BN:], 3 * BN + 5))  # a chunk from key BN: rows in 3 tiles, 1-2 splits
+    base = torch.cat(c.run(steps, config=CFG))
+    for kw in (dict(prefetch=1), dict(prefetch=2), dict(prefetch=1, decode_prefetch=2)):
+        assert bitwise_equal(torch.cat(c.run(steps, config=dataclasses.replace(CFG, **kw))), base), kw
+    for bad in (dict(prefetch=3), dict(prefetch=True), dict(decode_prefetch=-1)):
+        with pytest.raises(ValueError, match="prefetch"):
+            dataclasses.replace(CFG, **bad)
+    with pytest.raises(ValueError, match="need decode_block_m"):
+        A.AttnConfig(decode_prefetch=1)
+
+
+def test_graded_splits_keep_a_and_d():
+    """``split_target``: a row's split size grows with its own position (32, 64, then 128 keys
+    here), never with the batch.  (d) prefill == decode at every bucket edge, (a) rows alone ==
+    rows in a batch; close to float64."""
+    cfg = dataclasses.replace(CFG, split_size=4 * BN, split_target=2)
+    assert [A.split_size_at(p, cfg) for p in (0, 2 * BN - 1, 2 * BN, 4 * BN - 1, 4 * BN, 50 * BN)] == \
+        [BN, BN, 2 * BN, 2 * BN, 4 * BN, 4 * BN]
+    assert {A.split_plan([5 * BN] * bs, HKV, config=cfg)[0] for bs in (1, 2, 8)} == {4 * BN}
+    with pytest.raises(ValueError, match="split_target"):
+        dataclasses.replace(CFG, split_target=0)
+    n, dtype = 9 * BN + 7, torch.bfloat16
+    q, k, v = _seq(13, 0, n, dtype)
+    c = Cache(dtype, seed=9)
+    c.write("s", k, v, 0)
+    pre = c.run([("s", q, n)], config=cfg)[0]
+    edges = {t + e for t in (BN, 2 * BN, 4 * BN, 8 * BN) for e in (-1, 0, 1)}
+    ts = sorted(edges | set(range(0, n, 7)) | {n - 1})
+    for t in ts:
+        c.tables[("d", t)] = c.tables["s"]
+    dec = torch.cat(c.run([(("d", t), q[t:t + 1], t + 1) for t in ts], config=cfg))
+    bad = [t for i, t in enumerate(ts) if not bitwise_equal(dec[i], pre[t])]
+    assert not bad, f"positions where decode differs from prefill: {bad}"
+    # (a): the rows of a batch of three contexts, alone and together
+    c.tables[("d", 4 * BN + 3)] = c.tables["s"]
+    steps = [(("d", t), q[t:t + 1], t + 1) for t in (BN - 1, 4 * BN + 3, n - 1)]
+    together = c.run(steps, config=cfg)
+    for st, got in zip(steps, together):
+        assert bitwise_equal(c.run([st], config=cfg)[0], got)
+    ref = c.run([("s", q[-40:], n)], impl="reference")[0]
+    assert (pre[-40:].double() - ref.double()).abs().max().item() < TOL[dtype]
+
+
 # ---------------------------------------------------------------------------------------------
 # accuracy, guards, bad input
 # ---------------------------------------------------------------------------------------------

@@ -74,6 +74,27 @@ def test_every_config_gives_the_default_bits(dtype):
     assert not bad, f"configs/M whose bits differ from the default: {bad}"
 
 
+def test_long_k_is_the_in_order_sum_of_fixed_chunks():
+    """A long K (here K = 160 > 128, the interpreter's bound; 4096 on a GPU) is summed as fixed
+    chunks (64 keys here, 2048 on a GPU), each from zero, the fp32 chunk sums added in order:
+    fp32 ``mm`` equals ``((0 + mm(chunk 0)) + mm(chunk 1)) + ...`` of the kit's own chunk
+    products, bitwise, for every config (one program per tile, one per chunk, TMA).  A short K
+    is one loop, again the same bits for every config."""
+    dtype = torch.float32
+    b, _ = _weights(dtype)
+    a = row_maker(K, dtype=dtype)(65)
+    chunk = MM.k_chunk(K, dtype)
+    assert chunk < K and MM.k_chunk(chunk, dtype) == chunk
+    want = torch.zeros((65, N), dtype=dtype, device=DEV)
+    for k0 in range(0, K, chunk):
+        want = want + MM.mm(a[:, k0:k0 + chunk].contiguous(), b[k0:k0 + chunk].contiguous())
+    for cfg in ("m16c", "midc", "mid", "mid_tma", "large_persistent", "wide_tma_ws"):
+        assert bitwise_equal(MM.mm(a, b, config=cfg), want), cfg
+    short = MM.mm(a[:, :chunk], b[:chunk])
+    for cfg in ("m16c", "mid_tma", "t64n32s8"):
+        assert bitwise_equal(MM.mm(a[:, :chunk], b[:chunk], config=cfg), short), cfg
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_tma_configs_read_both_layouts(dtype, monkeypatch):
     """The TMA configs read B as (K, N) rows (mm/addmm) and as a linear weight's (N, K) rows,
@@ -121,7 +142,7 @@ def test_config_table():
     picks = [MM.select_config(m, 151936).name for m in (1, 16, 17, 64, 65, 256, 257)]
     assert picks == ["mid", "mid", "mid_tma", "mid_tma", "wide_tma", "wide_tma", "wide_tma_ws"]
     assert MM.select_config(300, 4096, 4096, torch.float32).name == "large_tma"  # fp32: no 128x256 tile
-    assert MM.select_config(1, 4096, 4096, torch.float32).name == "t64n32s8"
+    assert MM.select_config(1, 4096, 100, torch.float32).name == "t64n32s8"  # a short K
     assert MM.block_k(torch.bfloat16) == MM.block_k(torch.float16) == 64 and MM.block_k(torch.float32) == 32
     for m in MS:  # K order fixed: BLOCK_K and split_k never depend on M for the invariant impl
         info = MM.launch_info(m, N, 4096, torch.bfloat16)
@@ -129,6 +150,19 @@ def test_config_table():
     assert MM.launch_info(1, N, 4096, torch.bfloat16, impl="variant")["split_k"] == 8
     assert MM.launch_info(300, N, 4096, torch.bfloat16, impl="variant")["split_k"] == 1
     assert MM.launch_info(300, N, K, torch.float32, config="large_persistent")["persistent"]
+    # a long K: fixed chunks (a function of K only); thin M runs them as programs (split_chunks)
+    chunk = MM.k_chunk(10 ** 6, torch.bfloat16)
+    long_k = 4 * chunk + 1
+    assert MM.k_chunk(chunk, torch.bfloat16) == chunk and MM.k_chunk(2 * chunk, torch.bfloat16) == 2 * chunk
+    assert [MM.select_config(m, 4096, long_k).name for m in (1, 16, 17, 64, 65)] == \
+        ["m16c", "m16c", "midc", "midc", "mid_tma"]
+    for m in MS:
+        info = MM.launch_info(m, N, long_k, torch.bfloat16)
+        assert info["k_chunk"] == chunk and info["split_k"] == 1
+        assert info["chunk_programs"] == (5 if info["config"] in ("m16c", "midc") else 1)
+        assert info["grid"][1] == info["chunk_programs"]
+    assert MM.launch_info(1, N, chunk, torch.bfloat16, config="m16c")["chunk_programs"] == 1  # not long
+    assert MM.launch_info(1, N, long_k, torch.bfloat16, config="t64n32s8")["chunk_programs"] == 1
     with pytest.raises(ValueError, match="config"):
         MM.mm(torch.ones(2, 2, device=DEV), torch.ones(2, 2, device=DEV), config="nope")
     with pytest.raises(TypeError, match="config"):
@@ -301,12 +335,12 @@ def test_bad_inputs_raise_naming_the_argument():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_gpu_invariant_rows_and_configs(dtype):
-    n, k = 4096, 4096
-    f, make = _op("addmm", dtype, n=n, k=k)
-    report = check_invariance(f, make, MS + [1024, 2049, 4096])
-    assert report.passed, report.summary()
-    rows, results = MM.gpu_sweep([(1024, 4096)], [1, 17, 64, 65, 129, 300, 1025], dtype, reps=3, graph=False,
-                                   rotate=False)
+    for n, k in ((4096, 4096), (1024, 12288)):  # one K loop; a long K (fixed chunks)
+        f, make = _op("addmm", dtype, n=n, k=k)
+        report = check_invariance(f, make, MS + [1024, 2049, 4096])
+        assert report.passed, report.summary()
+    rows, results = MM.gpu_sweep([(1024, 4096), (1024, 12288)], [1, 17, 64, 65, 129, 300, 1025], dtype, reps=3,
+                                 graph=False, rotate=False)
     failed = [r for r in results if not r["passed"]]
     assert not failed, failed
     assert {r["impl"] for r in rows} >= {"cublas", "kit-variant-splitk"}
