@@ -186,6 +186,12 @@ class AttnConfig:
     prefetch: int = 0
     #: ``prefetch`` of the decode-tile launch (``None``: ``prefetch``)
     decode_prefetch: int | None = None
+    #: a launch (its multi-token tiles, or its decode tiles) with at least this many programs of
+    #: (query tile, kv head) runs *serially*: one program folds all of a row's splits in order
+    #: and writes the output (no workspace, no merge launch); below, one program per split and
+    #: the merge kernel.  The same operations either way (the left fold), so the bits never
+    #: depend on it; needs ``tree_merge=False``.  ``None``: always one program per split
+    serial_programs: int | None = None
 
     def __post_init__(self):
         for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
@@ -208,9 +214,13 @@ class AttnConfig:
             v = getattr(self, name)
             if (v is not None or name == "prefetch") and (isinstance(v, bool) or v not in PREFETCH_MODES):
                 raise ValueError(f"{name} must be one of {PREFETCH_MODES}, got {v!r}")
-        v = self.split_target
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"split_target must be None or a positive int, got {v!r}")
+        for name in ("split_target", "serial_programs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be None or a positive int, got {v!r}")
+        if self.serial_programs is not None and self.tree_merge:
+            raise ValueError("serial_programs needs tree_merge=False (a serial program folds its splits in "
+                             "order: the left fold)")
         if (isinstance(self.split_size, bool) or not isinstance(self.split_size, int) or self.split_size < 1
                 or self.split_size % self.block_n):
             raise ValueError(f"split_size must be a positive multiple of block_n={self.block_n}, "
@@ -223,9 +233,11 @@ class AttnConfig:
 #: Compiled on a GPU: 64-key tiles, 64-row programs, 512-key splits for prefill; one-token steps
 #: in 16-row, 4-warp tiles; the fixed pairwise row sum and the tree merge (see "Decode tiles and
 #: the row sum": the fastest schedule at large batch of the H200 runs that keep property (d)).
-DEFAULT_CONFIG = AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=True)
+DEFAULT_CONFIG = AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=False,
+                            split_target=32, serial_programs=512)
 #: Under the interpreter: small tiles so that short test contexts cross tile and split bounds.
-INTERPRETER_CONFIG = AttnConfig(32, 32, 64, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=True)
+INTERPRETER_CONFIG = AttnConfig(32, 32, 64, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=False,
+                                split_target=2, serial_programs=8)
 
 
 def default_config() -> AttnConfig:
@@ -487,16 +499,73 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
     return m_new, l, acc
 
 
+@triton.jit
+def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, seq_len, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
+                 ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+                 ROW_SUM: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
+    """The fp32 state ``(m, l, acc)`` of one split: online softmax from scratch over KV tiles
+    ``t_lo .. t_hi - 1`` in increasing order.  ``PREFETCH`` (see :class:`AttnConfig`) moves
+    loads earlier, never the arithmetic (``_tile_update``)."""
+    key_end = tl.minimum(seq_len, t_hi * BLOCK_N)  # the split's last key + 1 (loads stop there)
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D_PAD), tl.float32)
+    if PREFETCH == 0:
+        for t in range(t_lo, t_hi):
+            blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
+            kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
+    elif PREFETCH == 1:
+        blk = _tile_blocks(bt_row, t_lo, key_end, BLOCK_N, CACHE_BLOCK)
+        for t in range(t_lo, t_hi):
+            kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
+            blk = _tile_blocks(bt_row, t + 1, key_end, BLOCK_N, CACHE_BLOCK)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
+    else:
+        blk = _tile_blocks(bt_row, t_lo, key_end, BLOCK_N, CACHE_BLOCK)
+        kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t_lo, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
+        blk = _tile_blocks(bt_row, t_lo + 1, key_end, BLOCK_N, CACHE_BLOCK)
+        for t in range(t_lo, t_hi):
+            kt_next, v_next = _tile_kv(kc_ptr, vc_ptr, blk, t + 1, key_end, kv_off, s_cb, s_cs, d, d_ok,
+                                       BLOCK_N, CACHE_BLOCK)
+            blk = _tile_blocks(bt_row, t + 2, key_end, BLOCK_N, CACHE_BLOCK)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
+            kt = kt_next
+            v = v_next
+    return m, l, acc
+
+
+@triton.jit
+def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr):
+    """The left-fold step ``state (+) state_i`` in fp32: ``M = max(m, m_i)``, ``a = e^(m-M)``,
+    ``b = e^(m_i-M)``, ``l = fma(l, a, l_i*b)``, ``acc = fma(acc, a, acc_i*b)``.  Written with
+    explicit FMAs so that no compiler contracts it differently in the merge kernel (one row,
+    ``ROWS = 0``: scalars and a ``(D,)`` vector) and in the serial split kernel (a tile of rows)."""
+    m_new = tl.maximum(m, m_i)
+    a = tl.exp(m - m_new)
+    b = tl.exp(m_i - m_new)
+    l = tl.fma(l, a, l_i * b)
+    if ROWS == 0:
+        acc = tl.fma(acc, a, acc_i * b)
+    else:
+        acc = tl.fma(acc, a[:, None], acc_i * b[:, None])
+    return m_new, l, acc
+
+
 @triton.jit(do_not_specialize=["max_splits", "q_heads", "scale", "s_bts"])
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_tok_ptr,
-                       tile_split_ptr, ws_acc_ptr, ws_ml_ptr, scale, max_splits, q_heads,
-                       s_qt, s_qh, s_cb, s_cs, s_ch, s_bts,
+                       tile_split_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr, scale, max_splits, q_heads,
+                       s_qt, s_qh, s_cb, s_cs, s_ch, s_bts, s_ot, s_oh,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       D_PAD: tl.constexpr, ROW_SUM: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
-    """Program (query tile, kv head, split): online softmax over the split's KV tiles, in
-    increasing position order; writes fp32 (acc, m, l) for the tile's valid rows.  ``PREFETCH``
-    (see :class:`AttnConfig`) moves loads earlier, never the arithmetic (``_tile_update``)."""
+                       D_PAD: tl.constexpr, ROW_SUM: tl.constexpr, PREFETCH: tl.constexpr, SERIAL: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
+    state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
+    (query tile, kv head) computes the states of all the row's splits in order, folds each into
+    the running state with the merge kernel's left fold (``_fold``) and writes ``acc / l``:
+    the same operations in the same order, so the same bits, without the workspace or the merge
+    launch (the launch picks the mode; the bits never depend on it)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -517,10 +586,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
     last_tok = tl.minimum(tok0 + Q_TILE, q_hi) - 1
     diag = (first_pos + (last_tok - q_lo)) // BLOCK_N
     split_tiles = tl.load(tile_split_ptr + tile) // BLOCK_N
-    t_lo = split * split_tiles
-    t_hi = tl.minimum(t_lo + split_tiles, diag + 1)
     limit = tl.where(row_ok, pos + 1, 1)  # keys < limit are visible to the row
-    key_end = tl.minimum(seq_len, t_hi * BLOCK_N)  # the split's last key + 1 (loads stop there)
 
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
@@ -528,62 +594,52 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = to_f32(q)
-    m = tl.full((Q_TILE * QPK_PAD,), float("-inf"), tl.float32)
-    l = tl.zeros((Q_TILE * QPK_PAD,), tl.float32)
-    acc = tl.zeros((Q_TILE * QPK_PAD, D_PAD), tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * s_bts
     kv_off = kvh * s_ch
-    # KV tiles in increasing position order, whichever load schedule
-    if PREFETCH == 0:
-        for t in range(t_lo, t_hi):
-            blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
-            kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, Q_TILE * QPK_PAD, ROW_SUM, UPCAST)
-    elif PREFETCH == 1:
-        blk = _tile_blocks(bt_row, t_lo, key_end, BLOCK_N, CACHE_BLOCK)
-        for t in range(t_lo, t_hi):
-            kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
-            blk = _tile_blocks(bt_row, t + 1, key_end, BLOCK_N, CACHE_BLOCK)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, Q_TILE * QPK_PAD, ROW_SUM, UPCAST)
+    if SERIAL:
+        m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, 0, tl.minimum(split_tiles, diag + 1), seq_len, kv_off,
+                                 s_cb, s_cs, d, d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK,
+                                 ROW_SUM, PREFETCH, UPCAST)
+        for sp in range(1, diag // split_tiles + 1):  # the row's other splits, folded in order
+            t_lo = sp * split_tiles
+            m_i, l_i, acc_i = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, tl.minimum(t_lo + split_tiles, diag + 1),
+                                           seq_len, kv_off, s_cb, s_cs, d, d_ok, limit, scale, Q_TILE * QPK_PAD,
+                                           D_PAD, BLOCK_N, CACHE_BLOCK, ROW_SUM, PREFETCH, UPCAST)
+            m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, Q_TILE * QPK_PAD)
+        o = acc / l[:, None]
+        o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+        tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        blk = _tile_blocks(bt_row, t_lo, key_end, BLOCK_N, CACHE_BLOCK)
-        kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t_lo, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
-        blk = _tile_blocks(bt_row, t_lo + 1, key_end, BLOCK_N, CACHE_BLOCK)
-        for t in range(t_lo, t_hi):
-            kt_next, v_next = _tile_kv(kc_ptr, vc_ptr, blk, t + 1, key_end, kv_off, s_cb, s_cs, d, d_ok,
-                                       BLOCK_N, CACHE_BLOCK)
-            blk = _tile_blocks(bt_row, t + 2, key_end, BLOCK_N, CACHE_BLOCK)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, Q_TILE * QPK_PAD, ROW_SUM, UPCAST)
-            kt = kt_next
-            v = v_next
-
-    keep = row_ok & ((rows * 0 + t_lo) < t_hi)
-    w = (tok.to(tl.int64) * q_heads + head) * max_splits + split
-    tl.store(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
-    tl.store(ws_ml_ptr + w * 2, m, mask=keep)
-    tl.store(ws_ml_ptr + w * 2 + 1, l, mask=keep)
+        t_lo = split * split_tiles
+        t_hi = tl.minimum(t_lo + split_tiles, diag + 1)
+        m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, seq_len, kv_off, s_cb, s_cs, d, d_ok, limit,
+                                 scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, ROW_SUM, PREFETCH, UPCAST)
+        keep = row_ok & ((rows * 0 + t_lo) < t_hi)
+        w = (tok.to(tl.int64) * q_heads + head) * max_splits + split
+        tl.store(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
+        tl.store(ws_ml_ptr + w * 2, m, mask=keep)
+        tl.store(ws_ml_ptr + w * 2 + 1, l, mask=keep)
 
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
-def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, tok_pos_ptr, tok_split_ptr, max_splits, q_heads,
-                       s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TREE: tl.constexpr,
+def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_ptr, tok_split_ptr, max_splits,
+                       q_heads, s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TREE: tl.constexpr,
                        CHUNK: tl.constexpr):
-    """Program (token, q head): the merge of the row's split states in fp32 in a fixed order:
-    ``TREE`` (the default config) the max-then-chunked-pairwise-sums of the module docstring,
-    else the left fold of states 0, 1, 2, ...; then ``out = acc / l`` rounded once to out's dtype.  One
-    program per row keeps the serial fold short and spreads a long context's many splits over
-    many SMs (one program per token for all its heads was slow at long contexts)."""
-    tok = tl.program_id(0)
+    """Program (token of a parallel launch, q head): the merge of the row's split states in fp32
+    in a fixed order: ``TREE`` the max-then-chunked-pairwise-sums of the module docstring, else
+    the left fold of states 0, 1, 2, ... (``_fold``; the states are loaded CHUNK at a time, then
+    folded one by one in registers); then ``out = acc / l`` rounded once to out's dtype."""
+    tok = tl.load(merge_tok_ptr + tl.program_id(0))
     h = tl.program_id(1)
     pos = tl.load(tok_pos_ptr + tok)
     n = pos // tl.load(tok_split_ptr + tok) + 1  # the splits a row has: ceil((pos + 1) / split)
     d = tl.arange(0, D_PAD)
     w = (tok.to(tl.int64) * q_heads + h) * max_splits
+    idx = tl.arange(0, CHUNK)
     if TREE:
         # the row max over its n splits (max is exact in any order), then
         # l = sum_i l_i e^(m_i - M), acc likewise, chunk by chunk of CHUNK splits; inside a chunk a
         # fixed pairwise tree, chunks added in order: the order depends on n only
-        idx = tl.arange(0, CHUNK)
         mx = tl.max(tl.load(ws_ml_ptr + (w + idx) * 2, mask=idx < n, other=float("-inf")), 0)
         for c in range(CHUNK, n, CHUNK):
             mx = tl.maximum(mx, tl.max(tl.load(ws_ml_ptr + (w + c + idx) * 2, mask=c + idx < n,
@@ -599,20 +655,22 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, tok_pos_ptr, tok_split_pt
             l = l + _row_sum(tl.reshape(l_c * wgt, (1, CHUNK)), True, 1, CHUNK)
             acc = acc + _row_sum(tl.trans(acc_c * wgt[:, None]), True, D_PAD, CHUNK)
         o = acc / tl.sum(l, 0)  # (a sum of one element: exact)
-    else:  # the left fold (((s0 + s1) + s2) + ...): one dependent step per split
+    else:  # the left fold (((s0 + s1) + s2) + ...)
         m = tl.load(ws_ml_ptr + w * 2)
         l = tl.load(ws_ml_ptr + w * 2 + 1)
         acc = tl.load(ws_acc_ptr + w * D_PAD + d)
-        for i in range(1, n):
-            m_i = tl.load(ws_ml_ptr + (w + i) * 2)
-            l_i = tl.load(ws_ml_ptr + (w + i) * 2 + 1)
-            acc_i = tl.load(ws_acc_ptr + (w + i) * D_PAD + d)
-            m_new = tl.maximum(m, m_i)
-            a = tl.exp(m - m_new)
-            b = tl.exp(m_i - m_new)
-            l = l * a + l_i * b
-            acc = acc * a + acc_i * b
-            m = m_new
+        for c in range(1, n, CHUNK):  # states c .. c+CHUNK-1 loaded at once, folded one by one
+            ok = c + idx < n
+            m_c = tl.load(ws_ml_ptr + (w + c + idx) * 2, mask=ok, other=float("-inf"))
+            l_c = tl.load(ws_ml_ptr + (w + c + idx) * 2 + 1, mask=ok, other=0.0)
+            acc_c = tl.load(ws_acc_ptr + (w + c + idx)[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0)
+            for j in tl.static_range(CHUNK):
+                if c + j < n:
+                    pick = idx == j  # state c + j, taken out exactly (a max over one value and -infs)
+                    m_j = tl.max(tl.where(pick, m_c, float("-inf")), 0)
+                    l_j = tl.max(tl.where(pick, l_c, float("-inf")), 0)
+                    acc_j = tl.max(tl.where(pick[:, None], acc_c, float("-inf")), 0)
+                    m, l, acc = _fold(m, l, acc, m_j, l_j, acc_j, 0)
         o = acc / l
     tl.store(out_ptr + tok.to(tl.int64) * s_ot + h * s_oh + d, from_f32(o, out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
@@ -775,6 +833,11 @@ class AttnPlan:
     dec_tile_seq: torch.Tensor
     dec_tile_tok: torch.Tensor
     dec_tile_split: torch.Tensor
+    #: whether the multi-token tiles / the decode tiles run serially (``serial_programs``)
+    serial: bool = False
+    dec_serial: bool = False
+    #: the tokens the merge kernel folds (those of the parallel launches)
+    merge_tok: torch.Tensor | None = None
 
 
 def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: str = "invariant",
@@ -810,14 +873,23 @@ def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: 
             tok_pos.append(pos)
             tok_split.append(size_at(s, pos))
     max_splits = max(pos // sp + 1 for pos, sp in zip(tok_pos, tok_split))
+    serial = [impl == "invariant" and cfg.serial_programs is not None and len(g[0]) * kv_heads >= cfg.serial_programs
+              for g in (tiles, dec)]
+    merge_tok = []
+    for g, q_t, ser in ((tiles, q_tile, serial[0]), (dec, 1, serial[1])):
+        if not ser:
+            for s, t0 in zip(g[0], g[1]):
+                merge_tok += range(t0, min(t0 + q_t, query_start_loc[s + 1]))
     i32 = dict(dtype=torch.int32, device=q.device)
     d_pad = max(16, triton.next_power_of_2(d))
+    ws_rows = T * hq * max_splits if merge_tok else 1
     return AttnPlan(cfg, q_tile, qpk_pad, max_splits, split,
                     *(torch.tensor(x, **i32) for x in tiles), torch.tensor(tok_pos, **i32),
                     torch.tensor(tok_split, **i32),
-                    torch.empty((T * hq * max_splits, d_pad), dtype=torch.float32, device=q.device),
-                    torch.empty((T * hq * max_splits, 2), dtype=torch.float32, device=q.device),
-                    dec_q_tile, *(torch.tensor(x, **i32) for x in dec))
+                    torch.empty((ws_rows, d_pad), dtype=torch.float32, device=q.device),
+                    torch.empty((ws_rows, 2), dtype=torch.float32, device=q.device),
+                    dec_q_tile, *(torch.tensor(x, **i32) for x in dec), serial[0], serial[1],
+                    torch.tensor(sorted(merge_tok), **i32))
 
 
 def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out):
@@ -830,24 +902,27 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     d_pad = plan.ws_acc.shape[1]
     dec = lambda v, default: default if v is None else v  # noqa: E731
-    for tile_seq, tile_tok, tile_split, q_tile, warps, stages, prefetch in (
+    for tile_seq, tile_tok, tile_split, q_tile, warps, stages, prefetch, serial in (
             (plan.tile_seq, plan.tile_tok, plan.tile_split, plan.q_tile, cfg.num_warps, cfg.num_stages,
-             cfg.prefetch),
+             cfg.prefetch, plan.serial),
             (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_tile_split, plan.dec_q_tile,
              dec(cfg.decode_num_warps, cfg.num_warps), dec(cfg.decode_num_stages, cfg.num_stages),
-             dec(cfg.decode_prefetch, cfg.prefetch))):
+             dec(cfg.decode_prefetch, cfg.prefetch), plan.dec_serial)):
         if tile_seq.shape[0] == 0:
             continue
-        _attn_split_kernel[(tile_seq.shape[0], hkv, plan.max_splits)](
+        _attn_split_kernel[(tile_seq.shape[0], hkv, 1 if serial else plan.max_splits)](
             q, k_cache, v_cache, block_table, seq_lens, query_start_loc, tile_seq, tile_tok, tile_split,
-            plan.ws_acc, plan.ws_ml, scale, plan.max_splits, hq,
+            plan.ws_acc, plan.ws_ml, out, scale, plan.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+            out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
-            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), PREFETCH=prefetch, UPCAST=INTERPRET,
+            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), PREFETCH=prefetch, SERIAL=serial, UPCAST=INTERPRET,
             num_warps=warps, num_stages=stages)
-    _attn_merge_kernel[(T, hq)](plan.ws_acc, plan.ws_ml, out, plan.tok_pos, plan.tok_split,
-                                plan.max_splits, hq, out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad,
-                                TREE=cfg.tree_merge, CHUNK=MERGE_CHUNK, num_warps=2 if cfg.tree_merge else 1)
+    if plan.merge_tok.shape[0]:
+        _attn_merge_kernel[(plan.merge_tok.shape[0], hq)](
+            plan.ws_acc, plan.ws_ml, out, plan.merge_tok, plan.tok_pos, plan.tok_split, plan.max_splits, hq,
+            out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, TREE=cfg.tree_merge, CHUNK=MERGE_CHUNK,
+            num_warps=2 if cfg.tree_merge else 1)
     return out
 
 

@@ -8,6 +8,8 @@ negative control too); the kernels run with :data:`kernels.attention.DEFAULT_CON
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import attention as A
@@ -140,22 +142,22 @@ def _decode_positions_differing(c, q, pre, n, config=None) -> list:
     return (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
 
 
-#: Decode schedules of the session-4 run (issue 6's speed work), all on the shipped decode tiles
-#: (16 rows, 4 warps, tree row sum, tree merge): the load schedule (``prefetch`` /
-#: ``decode_prefetch``, the same arithmetic) and position-graded splits (``split_target``, another
-#: fixed schedule).  The earlier lists are in git history and in the stored JSON's configs.
-_DT = dict(decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=True)
+#: Decode schedules of the session-4 runs (issue 6's speed work), all on the shipped decode
+#: tiles (16 rows, tree row sum): the session-3 default (tree merge, 512-key splits), then the
+#: left fold with serial launches (``serial_programs``) and position-graded splits
+#: (``split_target``), warps and load schedules.  Earlier lists: git history and the stored JSON.
+_DT = dict(decode_block_m=16, row_sum="tree")
+_FOLD = dict(tree_merge=False, serial_programs=512, **_DT)
 DECODE_TILE_CONFIGS = [
-    A.AttnConfig(64, 64, 512, **_DT),
-    A.AttnConfig(64, 64, 512, prefetch=1, **_DT),
-    A.AttnConfig(64, 64, 512, prefetch=1, decode_prefetch=2, **_DT),
-    A.AttnConfig(64, 64, 512, prefetch=2, **_DT),
-    A.AttnConfig(64, 64, 512, prefetch=1, decode_prefetch=2, decode_num_stages=3, **_DT),
-    A.AttnConfig(64, 64, 512, prefetch=1, decode_prefetch=2, decode_num_stages=1, **_DT),
-    A.AttnConfig(64, 64, 1024, split_target=16, prefetch=1, decode_prefetch=2, **_DT),
-    A.AttnConfig(64, 64, 2048, split_target=16, prefetch=1, decode_prefetch=2, **_DT),
-    A.AttnConfig(64, 64, 1024, split_target=8, prefetch=1, decode_prefetch=2, **_DT),
-    A.AttnConfig(64, 64, 1024, split_target=16, prefetch=1, decode_prefetch=1, **_DT),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, tree_merge=True, **_DT),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, **_FOLD),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, **_FOLD),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=16, **_FOLD),
+    A.AttnConfig(64, 64, 512, decode_num_warps=2, split_target=32, **_FOLD),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=64, **_FOLD),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, prefetch=1, **_FOLD),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, tree_merge=False, serial_programs=256, **_DT),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, tree_merge=False, serial_programs=1024, **_DT),
 ]
 
 
@@ -178,6 +180,14 @@ def decode_tiles(quick: bool, configs=None) -> tuple:
             checks.append({"name": f"(d) prefill == decode at every position (bf16, n={n}) with {cfg}",
                            "passed": not bad, "positions_differing": len(bad), "first": bad[:20],
                            "config": cfg.as_dict()})
+            if cfg.serial_programs is not None:  # the serial launches against one program per split
+                par = dataclasses.replace(cfg, serial_programs=None)
+                pre_par = c.run([("s", q, n)], config=par)[0]
+                bad_par = _decode_positions_differing(c, q, pre_par, n, config=par)
+                checks.append({"name": f"serial launches == one program per split (prefill and decode of every "
+                                       f"position, bf16, n={n}) with {cfg}",
+                               "passed": bitwise_equal(pre, pre_par) and not bad_par and not bad,
+                               "config": cfg.as_dict()})
         except Exception as e:  # a schedule that does not compile: recorded
             checks.append({"name": f"(d) with {cfg}", "passed": False, "error": repr(e)[:400], "config": cfg.as_dict()})
         print(f"  {checks[-1]['name']}: {checks[-1]['passed']} {checks[-1].get('positions_differing', '')}",

@@ -315,6 +315,42 @@ def test_load_schedules_give_the_same_bits():
         A.AttnConfig(decode_prefetch=1)
 
 
+def test_serial_and_parallel_launches_give_the_same_bits():
+    """``serial_programs``: a launch with enough (query tile, kv head) programs folds each row's
+    splits inside one program and writes the output; a smaller one runs a program per split and
+    the merge kernel.  A mixed launch (decode rows across splits, a prefill chunk) gives the
+    same bits with every launch serial, none serial, or only the decode tiles serial; and with
+    position-graded splits too."""
+    dtype = torch.bfloat16
+    c = Cache(dtype, seed=4)
+    steps = []
+    for r, n in enumerate(LENS):
+        q, k, v = _seq(7, r, n, dtype)
+        c.write(r, k, v, 0)
+        steps.append((r, q[-1:], n))
+    qp, kp, vp = _seq(7, 99, 3 * BN + 5, dtype)
+    c.write("p", kp, vp, 0)
+    steps.append(("p", qp[BN:], 3 * BN + 5))
+    q = torch.cat([s[1] for s in steps])
+    lens = [s[2] for s in steps]
+    qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
+    fold = dataclasses.replace(CFG, tree_merge=False, serial_programs=None)
+    for kw in ({}, dict(split_size=4 * BN, split_target=2)):
+        par = dataclasses.replace(fold, **kw)
+        want = torch.cat(c.run(steps, config=par))
+        dec_tiles = len(LENS) * HKV
+        for sp, modes in ((1, (True, True)), (dec_tiles, (False, True)), (10 ** 6, (False, False))):
+            cfg = dataclasses.replace(par, serial_programs=sp)
+            plan = A.make_plan(q, HKV, lens, qsl, config=cfg)
+            assert (plan.serial, plan.dec_serial) == modes, (sp, plan.serial, plan.dec_serial)
+            assert plan.merge_tok.numel() == (0 if modes[0] else qsl[-1] - qsl[-2]) + (0 if modes[1] else len(LENS))
+            assert bitwise_equal(torch.cat(c.run(steps, config=cfg)), want), (kw, sp)
+    with pytest.raises(ValueError, match="tree_merge=False"):
+        A.AttnConfig(tree_merge=True, serial_programs=4)
+    with pytest.raises(ValueError, match="serial_programs"):
+        A.AttnConfig(serial_programs=0)
+
+
 def test_graded_splits_keep_a_and_d():
     """``split_target``: a row's split size grows with its own position (32, 64, then 128 keys
     here), never with the batch.  (d) prefill == decode at every bucket edge, (a) rows alone ==
