@@ -145,7 +145,7 @@ IMPLS = ("invariant", "variant", "reference", "sdpa")
 
 
 ROW_SUMS = ("sum", "tree", "mma")
-PREFETCH_MODES = (0, 1, 2)
+PREFETCH_MODES = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -179,10 +179,11 @@ class AttnConfig:
     #: function of the row's own position only (:func:`split_size_at`); the rows of a query
     #: tile share their diagonal tile, hence their split size.
     split_target: int | None = None
-    #: how the split loop fetches its KV tiles (the same values, the same arithmetic: only the
+    #: how a split's loop fetches its KV tiles (the same values, the same arithmetic: only the
     #: load schedule moves).  0: block-table entries, then K/V, then the math, tile by tile;
-    #: 1: the next tile's block-table entries are loaded one tile ahead; 2: also the next
-    #: tile's K and V (registers, double-buffered), block-table entries two tiles ahead
+    #: 1: the next tile's block-table entries are loaded one tile ahead.  (Session 4 also tried
+    #: K and V one tile ahead in registers: slower on the H200, removed.)  Serial launches
+    #: always use 0
     prefetch: int = 0
     #: ``prefetch`` of the decode-tile launch (``None``: ``prefetch``)
     decode_prefetch: int | None = None
@@ -515,23 +516,43 @@ def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, seq_len, kv_off, s_cb, s
             blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
             kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
             m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
-    elif PREFETCH == 1:
+    else:
         blk = _tile_blocks(bt_row, t_lo, key_end, BLOCK_N, CACHE_BLOCK)
         for t in range(t_lo, t_hi):
             kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
             blk = _tile_blocks(bt_row, t + 1, key_end, BLOCK_N, CACHE_BLOCK)
             m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
-    else:
-        blk = _tile_blocks(bt_row, t_lo, key_end, BLOCK_N, CACHE_BLOCK)
-        kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t_lo, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
-        blk = _tile_blocks(bt_row, t_lo + 1, key_end, BLOCK_N, CACHE_BLOCK)
-        for t in range(t_lo, t_hi):
-            kt_next, v_next = _tile_kv(kc_ptr, vc_ptr, blk, t + 1, key_end, kv_off, s_cb, s_cs, d, d_ok,
-                                       BLOCK_N, CACHE_BLOCK)
-            blk = _tile_blocks(bt_row, t + 2, key_end, BLOCK_N, CACHE_BLOCK)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
-            kt = kt_next
-            v = v_next
+    return m, l, acc
+
+
+@triton.jit
+def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, seq_len, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
+               ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+               ROW_SUM: tl.constexpr, UPCAST: tl.constexpr):
+    """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
+    loop over the tiles (the loads of the next tile never wait for a split to close): each
+    split's state is built from scratch exactly as ``_split_state`` builds it, and when the
+    split's last tile is done it becomes the running state (split 0) or is folded into it
+    (``_fold``), in split order."""
+    key_end = tl.minimum(seq_len, n_tiles * BLOCK_N)
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D_PAD), tl.float32)
+    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc_i = tl.zeros((ROWS, D_PAD), tl.float32)
+    for t in range(0, n_tiles):
+        blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
+        kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
+        m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
+        if ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles):  # the split is complete
+            if t < split_tiles:
+                m, l, acc = m_i, l_i, acc_i
+            else:
+                m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+            m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+            l_i = tl.zeros((ROWS,), tl.float32)
+            acc_i = tl.zeros((ROWS, D_PAD), tl.float32)
     return m, l, acc
 
 
@@ -597,15 +618,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
     bt_row = bt_ptr + seq.to(tl.int64) * s_bts
     kv_off = kvh * s_ch
     if SERIAL:
-        m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, 0, tl.minimum(split_tiles, diag + 1), seq_len, kv_off,
-                                 s_cb, s_cs, d, d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK,
-                                 ROW_SUM, PREFETCH, UPCAST)
-        for sp in range(1, diag // split_tiles + 1):  # the row's other splits, folded in order
-            t_lo = sp * split_tiles
-            m_i, l_i, acc_i = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, tl.minimum(t_lo + split_tiles, diag + 1),
-                                           seq_len, kv_off, s_cb, s_cs, d, d_ok, limit, scale, Q_TILE * QPK_PAD,
-                                           D_PAD, BLOCK_N, CACHE_BLOCK, ROW_SUM, PREFETCH, UPCAST)
-            m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, Q_TILE * QPK_PAD)
+        m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, diag + 1, split_tiles, seq_len, kv_off, s_cb, s_cs, d,
+                               d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, ROW_SUM, UPCAST)
         o = acc / l[:, None]
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
         tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -221,12 +221,13 @@ def test_d_prefill_equals_decode_at_every_position(dtype):
 
 def test_decode_tiles_option_plumbing():
     """The default sends one-token steps (decode) to 16-row tiles (``decode_block_m``) with a
-    fixed pairwise row sum and the tree merge: one-token steps go to the decode group of the
-    plan, multi-token steps stay in prefill tiles, and the two tile shapes give the same bits
-    as one shape for all.  (On the H200 that equality needs the layout-free row sum: with
-    ``tl.sum`` and 4 warps on a 16-row tile, decode differed from prefill; see the module
-    docstring.)"""
-    assert (CFG.decode_block_m, CFG.row_sum, CFG.tree_merge) == (16, "tree", True)
+    fixed pairwise row sum, the left-fold merge and serial launches from ``serial_programs``
+    programs: one-token steps go to the decode group of the plan, multi-token steps stay in
+    prefill tiles, and the two tile shapes give the same bits as one shape for all.  (On the
+    H200 that equality needs the layout-free row sum: with ``tl.sum`` and 4 warps on a 16-row
+    tile, decode differed from prefill; see the module docstring.)"""
+    assert (CFG.decode_block_m, CFG.row_sum, CFG.tree_merge) == (16, "tree", False)
+    assert CFG.serial_programs is not None and CFG.split_target is not None
     dec_cfg = CFG
     single = dataclasses.replace(CFG, decode_block_m=None, decode_num_warps=None, decode_num_stages=None)
     dtype = torch.bfloat16
@@ -292,9 +293,9 @@ def test_schedules_merge_many_splits(row_sum):
 
 
 def test_load_schedules_give_the_same_bits():
-    """``prefetch`` / ``decode_prefetch`` move loads (block-table entries one tile ahead; K and V
-    one tile ahead, double-buffered), never arithmetic: a mixed launch (decode rows across
-    tiles and splits, plus a prefill chunk) gives the default schedule's bits with each."""
+    """``prefetch`` / ``decode_prefetch`` move loads (block-table entries one tile ahead), never
+    arithmetic: a mixed launch (decode rows across tiles and splits, plus a prefill chunk)
+    gives the default schedule's bits with each."""
     dtype = torch.bfloat16
     c = Cache(dtype, seed=3)
     steps = []
@@ -306,9 +307,9 @@ def test_load_schedules_give_the_same_bits():
     c.write("p", kp, vp, 0)
     steps.append(("p", qp[BN:], 3 * BN + 5))  # a chunk from key BN: rows in 3 tiles, 1-2 splits
     base = torch.cat(c.run(steps, config=CFG))
-    for kw in (dict(prefetch=1), dict(prefetch=2), dict(prefetch=1, decode_prefetch=2)):
+    for kw in (dict(prefetch=1), dict(decode_prefetch=1), dict(prefetch=1, decode_prefetch=0)):
         assert bitwise_equal(torch.cat(c.run(steps, config=dataclasses.replace(CFG, **kw))), base), kw
-    for bad in (dict(prefetch=3), dict(prefetch=True), dict(decode_prefetch=-1)):
+    for bad in (dict(prefetch=2), dict(prefetch=True), dict(decode_prefetch=-1)):
         with pytest.raises(ValueError, match="prefetch"):
             dataclasses.replace(CFG, **bad)
     with pytest.raises(ValueError, match="need decode_block_m"):
