@@ -545,14 +545,17 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, seq_len, kv_off,
         blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
         kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
         m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
-        if ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles):  # the split is complete
-            if t < split_tiles:
-                m, l, acc = m_i, l_i, acc_i
-            else:
-                m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
-            m_i = tl.full((ROWS,), float("-inf"), tl.float32)
-            l_i = tl.zeros((ROWS,), tl.float32)
-            acc_i = tl.zeros((ROWS, D_PAD), tl.float32)
+        # when the split is complete: split 0 becomes the running state, a later one is folded
+        # into it; then the split state starts again (selects, not a branch in the loop)
+        done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
+        first = t < split_tiles
+        m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+        m = tl.where(done, tl.where(first, m_i, m_f), m)
+        l = tl.where(done, tl.where(first, l_i, l_f), l)
+        acc = tl.where(done, tl.where(first, acc_i, acc_f), acc)
+        m_i = tl.where(done, float("-inf"), m_i)
+        l_i = tl.where(done, 0.0, l_i)
+        acc_i = tl.where(done, 0.0, acc_i)
     return m, l, acc
 
 

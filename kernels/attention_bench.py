@@ -152,12 +152,9 @@ DECODE_TILE_CONFIGS = [
     A.AttnConfig(64, 64, 512, decode_num_warps=4, tree_merge=True, **_DT),
     A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, **_FOLD),
     A.AttnConfig(64, 64, 512, decode_num_warps=4, **_FOLD),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=16, **_FOLD),
     A.AttnConfig(64, 64, 512, decode_num_warps=2, split_target=32, **_FOLD),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, prefetch=1, **_FOLD),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, tree_merge=False, serial_programs=256, **_DT),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, tree_merge=False, serial_programs=1024, **_DT),
     A.AttnConfig(64, 64, 512, num_warps=8, decode_num_warps=4, split_target=32, **_FOLD),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, tree_merge=True, **_DT),
 ]
 
 
