@@ -193,13 +193,15 @@ class AttnConfig:
     #: the merge kernel.  The same operations either way (the left fold), so the bits never
     #: depend on it; needs ``tree_merge=False``.  ``None``: always one program per split
     serial_programs: int | None = None
+    #: warps of a serial decode-tile launch (``None``: the decode launch's warps)
+    serial_decode_warps: int | None = None
 
     def __post_init__(self):
         for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
-        for name in ("decode_num_warps", "decode_num_stages"):
+        for name in ("decode_num_warps", "decode_num_stages", "serial_decode_warps"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")
@@ -545,17 +547,14 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, seq_len, kv_off,
         blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
         kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
         m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
-        # when the split is complete: split 0 becomes the running state, a later one is folded
-        # into it; then the split state starts again (selects, not a branch in the loop)
-        done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
-        first = t < split_tiles
-        m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
-        m = tl.where(done, tl.where(first, m_i, m_f), m)
-        l = tl.where(done, tl.where(first, l_i, l_f), l)
-        acc = tl.where(done, tl.where(first, acc_i, acc_f), acc)
-        m_i = tl.where(done, float("-inf"), m_i)
-        l_i = tl.where(done, 0.0, l_i)
-        acc_i = tl.where(done, 0.0, acc_i)
+        if ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles):  # the split is complete
+            if t < split_tiles:
+                m, l, acc = m_i, l_i, acc_i
+            else:
+                m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+            m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+            l_i = tl.zeros((ROWS,), tl.float32)
+            acc_i = tl.zeros((ROWS, D_PAD), tl.float32)
     return m, l, acc
 
 
@@ -923,8 +922,8 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
             (plan.tile_seq, plan.tile_tok, plan.tile_split, plan.q_tile, cfg.num_warps, cfg.num_stages,
              cfg.prefetch, plan.serial),
             (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_tile_split, plan.dec_q_tile,
-             dec(cfg.decode_num_warps, cfg.num_warps), dec(cfg.decode_num_stages, cfg.num_stages),
-             dec(cfg.decode_prefetch, cfg.prefetch), plan.dec_serial)):
+             dec(cfg.serial_decode_warps if plan.dec_serial else None, dec(cfg.decode_num_warps, cfg.num_warps)),
+             dec(cfg.decode_num_stages, cfg.num_stages), dec(cfg.decode_prefetch, cfg.prefetch), plan.dec_serial)):
         if tile_seq.shape[0] == 0:
             continue
         _attn_split_kernel[(tile_seq.shape[0], hkv, 1 if serial else plan.max_splits)](

@@ -150,11 +150,11 @@ _DT = dict(decode_block_m=16, row_sum="tree")
 _FOLD = dict(tree_merge=False, serial_programs=512, **_DT)
 DECODE_TILE_CONFIGS = [
     A.AttnConfig(64, 64, 512, decode_num_warps=4, tree_merge=True, **_DT),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, **_FOLD),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, **_FOLD),
-    A.AttnConfig(64, 64, 512, decode_num_warps=2, split_target=32, **_FOLD),
-    A.AttnConfig(64, 64, 512, num_warps=8, decode_num_warps=4, split_target=32, **_FOLD),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, tree_merge=True, **_DT),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, serial_decode_warps=2, **_FOLD),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, serial_decode_warps=1, **_FOLD),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, serial_decode_warps=4, **_FOLD),
+    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=16, serial_decode_warps=2, **_FOLD),
+    A.AttnConfig(64, 64, 1024, decode_num_warps=4, split_target=32, serial_decode_warps=2, **_FOLD),
 ]
 
 
