@@ -142,19 +142,19 @@ def _decode_positions_differing(c, q, pre, n, config=None) -> list:
     return (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
 
 
-#: Decode schedules of the session-4 runs (issue 6's speed work), all on the shipped decode
-#: tiles (16 rows, tree row sum): the session-3 default (tree merge, 512-key splits), then the
-#: left fold with serial launches (``serial_programs``) and position-graded splits
-#: (``split_target``), warps and load schedules.  Earlier lists: git history and the stored JSON.
-_DT = dict(decode_block_m=16, row_sum="tree")
+#: Decode schedules compared in the stored run (session 4; the exploratory runs before it are
+#: summarised in results/h200/README.md): the session-3 default (tree merge, fixed 512-key
+#: splits, one program per split), the same with position-graded splits, and the left fold with
+#: serial launches from 512 programs (graded or fixed splits; 2 or 4 warps per serial decode
+#: program).  The shipped default is the third.  Earlier lists: git history, stored JSON.
+_DT = dict(decode_block_m=16, decode_num_warps=4, row_sum="tree")
 _FOLD = dict(tree_merge=False, serial_programs=512, **_DT)
 DECODE_TILE_CONFIGS = [
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, tree_merge=True, **_DT),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, serial_decode_warps=2, **_FOLD),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, serial_decode_warps=1, **_FOLD),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=32, serial_decode_warps=4, **_FOLD),
-    A.AttnConfig(64, 64, 512, decode_num_warps=4, split_target=16, serial_decode_warps=2, **_FOLD),
-    A.AttnConfig(64, 64, 1024, decode_num_warps=4, split_target=32, serial_decode_warps=2, **_FOLD),
+    A.AttnConfig(64, 64, 512, tree_merge=True, **_DT),
+    A.AttnConfig(64, 64, 512, tree_merge=True, split_target=32, **_DT),
+    A.AttnConfig(64, 64, 512, split_target=32, serial_decode_warps=2, **_FOLD),
+    A.AttnConfig(64, 64, 512, split_target=32, serial_decode_warps=4, **_FOLD),
+    A.AttnConfig(64, 64, 512, serial_decode_warps=2, **_FOLD),
 ]
 
 
