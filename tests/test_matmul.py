@@ -339,8 +339,8 @@ def test_gpu_invariant_rows_and_configs(dtype):
         f, make = _op("addmm", dtype, n=n, k=k)
         report = check_invariance(f, make, MS + [1024, 2049, 4096])
         assert report.passed, report.summary()
-    rows, results = MM.gpu_sweep([(1024, 4096), (1024, 12288)], [1, 17, 64, 65, 129, 300, 1025], dtype, reps=3,
-                                 graph=False, rotate=False)
+    rows, results = MM.gpu_sweep([(1024, 4096)], [1, 17, 64, 65, 129, 300, 1025], dtype, reps=3, graph=False,
+                                 rotate=False)
     failed = [r for r in results if not r["passed"]]
     assert not failed, failed
     assert {r["impl"] for r in rows} >= {"cublas", "kit-variant-splitk"}
