@@ -92,7 +92,7 @@ def _matmul(doc, out):
     cells = _timed(doc["rows"], lambda r: (r["N"], r["K"], r["M"], r.get("dtype", "bfloat16")))
     for (n, k, m, dtype), cell in sorted(cells.items()):
         inv, peers = _split(cell)
-        pick = "kit-invariant:" + MM.select_config(m, n, k, getattr(torch, dtype)).name
+        pick = "kit-invariant:" + MM.select_config(m, n, k, getattr(torch, dtype), compiled=True).name
         if pick not in inv or not peers:
             continue
         out.append(_row("matmul", f"M={m}, N={n}, K={k}", {"M": m, "N": n, "K": k, "dtype": dtype}, "us",

@@ -170,26 +170,30 @@ def block_k(dtype: torch.dtype) -> int:
 LONG_K = {False: (4096, 2048), True: (128, 64)}
 
 
-def k_chunk(K: int, dtype: torch.dtype) -> int:
+def k_chunk(K: int, dtype: torch.dtype, *, compiled: bool | None = None) -> int:
     """Keys per K chunk of the invariant order for a reduction of length ``K``: ``K`` itself
     (one chunk, one loop) up to 4096, else 2048 (64 and 128 under the interpreter).  Every
     output element is the in-order sum of its chunks' sums, each chunk summed from zero,
     BLOCK_K at a time.  A function of K and the dtype only: never of M, so the order never
     depends on the batch.  Why not chunk every K: on the H200 the chunk loop cost the large
-    tiles up to 10% at K = 4096 (run 17) and bought thin M most at K = 12288."""
+    tiles up to 10% at K = 4096 (run 17) and bought thin M most at K = 12288.  ``compiled``:
+    whose rule, the interpreter's (False) or a GPU's (True); ``None``: this process's (pass
+    True to read GPU results on a CPU)."""
     bk = block_k(dtype)  # a float dtype, or TypeError
-    longest, chunk = LONG_K[INTERPRET]
+    longest, chunk = LONG_K[INTERPRET if compiled is None else not compiled]
     assert chunk % bk == 0
     return K if K <= longest else chunk
 
 
-def select_config(M: int, N: int = 0, K: int = 0, dtype: torch.dtype = torch.bfloat16) -> MMConfig:
+def select_config(M: int, N: int = 0, K: int = 0, dtype: torch.dtype = torch.bfloat16, *,
+                  compiled: bool | None = None) -> MMConfig:
     """The config the table picks for ``M`` rows of an (M, K) x (K, N) product.  Whatever is
-    picked, the bits are the same (the tiling over M/N never touches the K order)."""
+    picked, the bits are the same (the tiling over M/N never touches the K order).
+    ``compiled``: as in :func:`k_chunk` (which K is long)."""
     if isinstance(M, bool) or not isinstance(M, int) or M < 0:
         raise ValueError(f"M must be a non-negative int, got {M!r}")
     block_k(dtype)
-    if K > 0 and k_chunk(K, dtype) < K:
+    if K > 0 and k_chunk(K, dtype, compiled=compiled) < K:
         for bound, name in TABLE_LONG_K:
             if M <= bound:
                 return _BY_NAME[name]
@@ -243,11 +247,13 @@ def _num_programs_persistent(tiles: int) -> int:
 
 
 def launch_info(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, impl: str = "invariant",
-                config=None, batch: int = 1) -> dict:
-    """What a launch of ``impl`` does for this shape: config, BLOCK_K, split_k, grid."""
-    cfg = _resolve_config(config, M, N, K, dtype)
+                config=None, batch: int = 1, compiled: bool | None = None) -> dict:
+    """What a launch of ``impl`` does for this shape: config, BLOCK_K, split_k, K chunks, grid
+    (``compiled``: on a GPU, or under the interpreter; ``None``: here; see :func:`k_chunk`)."""
+    cfg = select_config(M, N, K, dtype, compiled=compiled) if config is None else \
+        _resolve_config(config, M, N, K, dtype)
     bk = block_k(dtype)
-    programs_k, _, chunk_blocks = _k_plan(impl, cfg, M, N, K, dtype)
+    programs_k, _, chunk_blocks = _k_plan(impl, cfg, M, N, K, dtype, compiled)
     split = programs_k if impl == "variant" else 1
     tiles = batch * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     persistent = cfg.persistent and programs_k == 1
@@ -462,14 +468,14 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, bias_ptr, M, N, n_batch,
     tl.store(c_ptr + c_offs, from_f32(acc, c_ptr.dtype.element_ty), mask=mask)
 
 
-def _k_plan(impl, cfg, M, N, K, dtype) -> tuple:
+def _k_plan(impl, cfg, M, N, K, dtype, compiled=None) -> tuple:
     """``(programs along K, K blocks per program, K blocks per chunk)`` of a launch (0 blocks
     per chunk: K is not long, one loop).  Invariant: one program per tile (the chunk loop
     inside), or with ``split_chunks`` and a long K one per chunk; variant: the split count of
     :func:`variant_split_k`, an even share of the blocks each."""
     bk = block_k(dtype)
     k_blocks = triton.cdiv(K, bk) if K > 0 else 0
-    chunk = k_chunk(K, dtype)
+    chunk = k_chunk(K, dtype, compiled=compiled)
     chunk_blocks = chunk // bk if chunk < K else 0
     if impl == "variant":
         split = variant_split_k(M, N, K, dtype)
