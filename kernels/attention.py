@@ -26,17 +26,32 @@ in the same way, whichever launch it is part of:
 1. keys are cut into KV tiles of ``block_n`` positions (tile ``j`` = keys ``j*block_n ..``),
    visited in increasing order; the query row's own position lies in its *diagonal* tile
    ``p // block_n``, where keys ``> p`` are masked (score ``-inf``);
-2. tiles are grouped into *splits* of ``split_size`` keys (a multiple of ``block_n``): split
-   ``i`` covers tiles ``i*split_size/block_n ..``; the row has ``ceil((p+1) / split_size)``
-   splits, a function of its own position only.  One program per (query tile, kv head, split)
-   runs the online softmax over the split's tiles in fp32: running max ``m``, sum ``l`` and
-   ``acc`` (``alpha = exp(m_old - m_new)``, ``p = exp(s - m_new)``, ``l = l*alpha + sum(p)``,
-   ``acc = acc*alpha + p @ V``; 16-bit ``p`` is rounded to V's dtype for the tensor cores);
-3. a second kernel (one program per token and q head) merges the partial states in a
-   fixed order: the tree merge (below, the default) or a left fold in fp32:
-   ``(((s0 + s1) + s2) + ...)`` with ``m = max(m_a, m_b)``, ``l = l_a*e^(m_a-m) + l_b*e^(m_b-m)``,
-   ``acc`` likewise, then ``out = acc / l`` rounded once (RNE) to q's dtype.  One split still
-   goes through the merge kernel (``out = acc / l``), so there is one path for every row.
+2. tiles are grouped into *splits* of ``S(p)`` keys (a multiple of ``block_n``): split ``i``
+   covers tiles ``i*S/block_n ..``; the row has ``ceil((p+1) / S)`` splits.  ``S`` is
+   :func:`split_size_at`: the config's ``split_size``, or with ``split_target`` (the default)
+   a size graded by the row's own position: ``min(split_size, block_n * next_pow2(ceil(n /
+   split_target)))`` for a row whose keys span ``n`` tiles (on the GPU: 64-key splits up to
+   2048 keys of context, 128 up to 4096, 256 up to 8192, then 512).  A function of the row's
+   position only; every row of a query tile shares its diagonal tile, hence ``S``.  Each
+   split's state is an online softmax from scratch over its tiles in fp32: running max
+   ``m``, sum ``l`` and ``acc`` (``alpha = exp(m_old - m_new)``, ``p = exp(s - m_new)``,
+   ``l = l*alpha + sum(p)``, ``acc = acc*alpha + p @ V``; 16-bit ``p`` is rounded to V's
+   dtype for the tensor cores);
+3. the split states are merged in a fixed order: the *left fold* (the default)
+   ``(((s0 + s1) + s2) + ...)`` with ``M = max(m_a, m_b)``, ``l = fma(l_a, e^(m_a-M),
+   l_b*e^(m_b-M))``, ``acc`` likewise (:func:`_fold`), or the tree merge (below); then ``out =
+   acc / l`` rounded once (RNE) to q's dtype.
+
+Who computes what is a launch decision that never changes the bits.  A launch with fewer
+than ``serial_programs`` (query tile, kv head) programs (small batches: few rows, long
+contexts) runs one program per split, writes the fp32 states to a workspace, and a second
+kernel (one program per token and q head) folds them; a larger launch (batch 64 decode,
+prefill) runs *serially*: one program per (query tile, kv head) builds each split's state in
+turn inside one loop over the row's tiles and folds it into the running state as soon as the
+split closes, then writes the output (no workspace, no second launch).  The serial program
+performs exactly the operations of the split programs plus the merge kernel, in the same
+order, so ``(a)``-``(d)`` hold across modes; the H200 runs check it bitwise (``attention_
+decode_tiles``: serial == one program per split, prefill and decode of 8229 positions).
 
 A program's query tile holds ``q_tile`` consecutive tokens of one sequence times the q heads
 of one kv head (the rows of ``tl.dot``); rows never mix (every reduction is along a row).
@@ -61,12 +76,15 @@ pairwise tree (``row_sum="tree"``) or by the tensor cores (``row_sum="mma"``, ``
 The default is ``decode_block_m=16, decode_num_warps=4, row_sum="tree"``, the fastest schedule
 of those runs at large batch.
 
-The merge (``tree_merge=True``, the default): the left fold below loads one split per
-dependent step, and at long contexts with few sequences (hundreds of splits, few programs)
-that serial chain was most of the time.  The tree merge takes the row's maximum ``M`` over its
-splits (exact in any order), then ``l = sum_i l_i e^(m_i - M)`` and ``acc`` likewise, chunk by
-chunk of 16 splits (:data:`MERGE_CHUNK`, a constant): a fixed pairwise tree inside a chunk,
-chunks added in order.  The order is a function of the row's split count only.
+The merge.  Session 3 shipped the *tree merge* (``tree_merge=True``): the row's maximum ``M``
+over its splits (exact in any order), then ``l = sum_i l_i e^(m_i - M)`` and ``acc`` likewise,
+chunk by chunk of 16 splits (:data:`MERGE_CHUNK`, a constant): a fixed pairwise tree inside a
+chunk, chunks added in order.  It loads splits in parallel, but it needs every split's state
+before the first addition, so no program can merge while it streams: it rules out the serial
+launch.  Session 4 made the left fold the default: the merge kernel loads 16 states at a
+time and folds them in registers, and the serial launch folds as it streams.  Measured on the
+H200 (``results/h200/attention_decode_tiles.json``): graded splits cut batch-1 decode at 1k
+context from 18 to 8 us; serial launches keep batch 64 close to one split per row.
 
 Chunk alignment rule (enforced)
 -------------------------------
@@ -86,8 +104,9 @@ at ``block_n - 3`` gave the same bits, so the rule is a guarantee, not a measure
 
 ``impl``:
 
-* ``"invariant"`` (default): ``split_size`` fixed by the config (512 keys on a GPU, 64 under the
-  interpreter); a sequence's split count depends on its own length only;
+* ``"invariant"`` (default): split sizes from the config and the row's own position
+  (:func:`split_size_at`; on a GPU up to 512 keys, under the interpreter 32 or 64); a
+  sequence's split count depends on its own length only;
 * ``"variant"``: the same kernels, launched like production split-KV decode: the *number* of
   splits comes from the occupancy, ``num_splits = max(1, 2*SMs // (num_seqs*kv_heads))``, and
   ``split_size = ceil(seq_len / num_splits)`` (rounded up to whole tiles).  Another batch size,

@@ -292,20 +292,26 @@ def test_schedules_merge_many_splits(row_sum):
     assert (fold.double() - pre.double()).abs().max().item() < TOL[dtype]
 
 
+def _mixed_steps(c, seed, dtype):
+    """Decode rows of LENS (across tiles and splits) plus a prefill chunk from key BN (rows in
+    3 tiles, 1-2 splits), written to cache ``c``: the steps of one mixed launch."""
+    steps = []
+    for r, n in enumerate(LENS):
+        q, k, v = _seq(seed, r, n, dtype)
+        c.write(r, k, v, 0)
+        steps.append((r, q[-1:], n))
+    qp, kp, vp = _seq(seed, 99, 3 * BN + 5, dtype)
+    c.write("p", kp, vp, 0)
+    steps.append(("p", qp[BN:], 3 * BN + 5))
+    return steps
+
+
 def test_load_schedules_give_the_same_bits():
     """``prefetch`` / ``decode_prefetch`` move loads (block-table entries one tile ahead), never
     arithmetic: a mixed launch (decode rows across tiles and splits, plus a prefill chunk)
     gives the default schedule's bits with each."""
-    dtype = torch.bfloat16
-    c = Cache(dtype, seed=3)
-    steps = []
-    for r, n in enumerate(LENS):
-        q, k, v = _seq(6, r, n, dtype)
-        c.write(r, k, v, 0)
-        steps.append((r, q[-1:], n))
-    qp, kp, vp = _seq(6, 99, 3 * BN + 5, dtype)
-    c.write("p", kp, vp, 0)
-    steps.append(("p", qp[BN:], 3 * BN + 5))  # a chunk from key BN: rows in 3 tiles, 1-2 splits
+    c = Cache(torch.bfloat16, seed=3)
+    steps = _mixed_steps(c, 6, torch.bfloat16)
     base = torch.cat(c.run(steps, config=CFG))
     for kw in (dict(prefetch=1), dict(decode_prefetch=1), dict(prefetch=1, decode_prefetch=0)):
         assert bitwise_equal(torch.cat(c.run(steps, config=dataclasses.replace(CFG, **kw))), base), kw
@@ -322,16 +328,8 @@ def test_serial_and_parallel_launches_give_the_same_bits():
     the merge kernel.  A mixed launch (decode rows across splits, a prefill chunk) gives the
     same bits with every launch serial, none serial, or only the decode tiles serial; and with
     position-graded splits too."""
-    dtype = torch.bfloat16
-    c = Cache(dtype, seed=4)
-    steps = []
-    for r, n in enumerate(LENS):
-        q, k, v = _seq(7, r, n, dtype)
-        c.write(r, k, v, 0)
-        steps.append((r, q[-1:], n))
-    qp, kp, vp = _seq(7, 99, 3 * BN + 5, dtype)
-    c.write("p", kp, vp, 0)
-    steps.append(("p", qp[BN:], 3 * BN + 5))
+    c = Cache(torch.bfloat16, seed=4)
+    steps = _mixed_steps(c, 7, torch.bfloat16)
     q = torch.cat([s[1] for s in steps])
     lens = [s[2] for s in steps]
     qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
