@@ -189,7 +189,8 @@ class AttnConfig:
     #: (the rounded probabilities that multiply V, summed by the tensor cores: ``P @ ones``)
     row_sum: str = "sum"
     #: the merge as max-then-weighted-sum over chunks of 16 splits with fixed pairwise trees
-    #: (loads in parallel) instead of the serial left fold (one dependent load per split)
+    #: instead of the left fold (``_fold``); it needs every split's state before its first
+    #: addition, so it rules out serial launches (``serial_programs``)
     tree_merge: bool = False
     #: ``None``: every row's splits have ``split_size`` keys.  An int ``T``: a row whose keys
     #: span ``n`` KV tiles (its diagonal tile included) gets splits of
@@ -234,12 +235,16 @@ class AttnConfig:
                              "(the decode-tile launch)")
         for name in ("prefetch", "decode_prefetch"):
             v = getattr(self, name)
-            if (v is not None or name == "prefetch") and (isinstance(v, bool) or v not in PREFETCH_MODES):
+            if (v is not None or name == "prefetch") and (not isinstance(v, int) or isinstance(v, bool)
+                                                          or v not in PREFETCH_MODES):
                 raise ValueError(f"{name} must be one of {PREFETCH_MODES}, got {v!r}")
         for name in ("split_target", "serial_programs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")
+        if self.serial_decode_warps is not None and self.decode_block_m is None:
+            raise ValueError("serial_decode_warps needs decode_block_m (the decode-tile launch; it applies when "
+                             "serial_programs makes that launch serial)")
         if self.serial_programs is not None and self.tree_merge:
             raise ValueError("serial_programs needs tree_merge=False (a serial program folds its splits in "
                              "order: the left fold)")
@@ -252,9 +257,11 @@ class AttnConfig:
         return asdict(self)
 
 
-#: Compiled on a GPU: 64-key tiles, 64-row programs, 512-key splits for prefill; one-token steps
-#: in 16-row, 4-warp tiles; the fixed pairwise row sum and the tree merge (see "Decode tiles and
-#: the row sum": the fastest schedule at large batch of the H200 runs that keep property (d)).
+#: Compiled on a GPU: 64-key tiles, 64-row programs; splits graded by the row's position (64 to
+#: 512 keys); one-token steps in 16-row, 4-warp tiles; the fixed pairwise row sum; the left fold,
+#: serial launches from 512 programs with 2-warp serial decode programs (session 4's H200 runs:
+#: ``results/h200/attention_decode_tiles.json``).  Under the interpreter: small tiles and splits
+#: so that short test contexts cross tile, split and mode boundaries.
 DEFAULT_CONFIG = AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=False,
                             split_target=32, serial_programs=512, serial_decode_warps=2)
 #: Under the interpreter: small tiles so that short test contexts cross tile and split bounds.
@@ -296,6 +303,8 @@ def split_size_at(pos: int, config: AttnConfig | None = None) -> int:
     :class:`AttnConfig`.  Depends on the row's position and the config only, never on the
     batch; every row of a query tile has the same diagonal tile, hence the same size."""
     cfg = _cfg(config)
+    if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
+        raise ValueError(f"pos must be a non-negative int, got {pos!r}")
     if cfg.split_target is None:
         return cfg.split_size
     tiles = int(pos) // cfg.block_n + 1  # KV tiles the row reads, its diagonal tile included
@@ -705,7 +714,9 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_pt
             acc_c = tl.load(ws_acc_ptr + (w + c + idx)[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0)
             for j in tl.static_range(CHUNK):
                 if c + j < n:
-                    pick = idx == j  # state c + j, taken out exactly (a max over one value and -infs)
+                    # state c + j, taken out exactly (a max over one value and -infs; a NaN state
+                    # would not survive it: the kit's equalities are for finite inputs)
+                    pick = idx == j
                     m_j = tl.max(tl.where(pick, m_c, float("-inf")), 0)
                     l_j = tl.max(tl.where(pick, l_c, float("-inf")), 0)
                     acc_j = tl.max(tl.where(pick[:, None], acc_c, float("-inf")), 0)

@@ -249,7 +249,8 @@ def _num_programs_persistent(tiles: int) -> int:
 def launch_info(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, impl: str = "invariant",
                 config=None, batch: int = 1, compiled: bool | None = None) -> dict:
     """What a launch of ``impl`` does for this shape: config, BLOCK_K, split_k, K chunks, grid
-    (``compiled``: on a GPU, or under the interpreter; ``None``: here; see :func:`k_chunk`)."""
+    (``compiled``: the long-K rule of a GPU or of the interpreter, ``None``: this process's; see
+    :func:`k_chunk`.  A persistent grid is sized from this process's SM count either way)."""
     cfg = select_config(M, N, K, dtype, compiled=compiled) if config is None else \
         _resolve_config(config, M, N, K, dtype)
     bk = block_k(dtype)
@@ -452,7 +453,8 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, bias_ptr, M, N, n_batch,
                           s_cb, s_cm, s_cn, s_biasm, s_biasn,
                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           HAS_BIAS: tl.constexpr):
-    """out = round(((p_0 + p_1) + ...) + bias): the variant's second pass, splits in order."""
+    """out = round(((p_0 + p_1) + ...) + bias): the second pass of the variant's split-K and of
+    the invariant's chunk programs (``split_chunks``), partial sums added in order."""
     bid = tl.program_id(2)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)

@@ -4,9 +4,9 @@ whether it was computed by prefill or by decode; the split-KV variant (splits ch
 batch) fails (a); all agree with a float64 reference; outputs stay inside guard regions; bad
 input is refused naming the argument.
 
-Sizes follow the config (``A.default_config()``: 32-key tiles and 64-key splits under the
-interpreter, 64/512 on a GPU), so the same tests cross tile, split and cache-block (16)
-boundaries on both; head dim 32, 4 q heads over 2 kv heads.
+Sizes follow the config (``A.default_config()``: 32-key tiles and splits of 32 or 64 keys by
+position under the interpreter, 64-key tiles and 64-512-key splits on a GPU), so the same tests
+cross tile, split and cache-block (16) boundaries on both; head dim 32, 4 q heads over 2 kv heads.
 """
 import dataclasses
 
@@ -229,7 +229,8 @@ def test_decode_tiles_option_plumbing():
     assert (CFG.decode_block_m, CFG.row_sum, CFG.tree_merge) == (16, "tree", False)
     assert CFG.serial_programs is not None and CFG.split_target is not None
     dec_cfg = CFG
-    single = dataclasses.replace(CFG, decode_block_m=None, decode_num_warps=None, decode_num_stages=None)
+    single = dataclasses.replace(CFG, decode_block_m=None, decode_num_warps=None, decode_num_stages=None,
+                                 serial_decode_warps=None)
     dtype = torch.bfloat16
     c = Cache(dtype, seed=3)
     steps = []
@@ -288,8 +289,12 @@ def test_schedules_merge_many_splits(row_sum):
     pre = pre[-48:]
     ref = c.run([("s", q[-48:], n)], impl="reference")[0]
     assert (pre.double() - ref.double()).abs().max().item() < TOL[dtype]
-    fold = c.run([("s", q[-48:], n)], config=dataclasses.replace(cfg, tree_merge=False))[0]
+    fold_cfg = dataclasses.replace(cfg, tree_merge=False)
+    fold = c.run([("s", q[-48:], n)], config=fold_cfg)[0]
     assert (fold.double() - pre.double()).abs().max().item() < TOL[dtype]
+    # the left fold over 16-18 splits (two chunks of loaded states): serial == per split, bitwise
+    serial = c.run([("s", q[-48:], n)], config=dataclasses.replace(fold_cfg, serial_programs=1))[0]
+    assert bitwise_equal(serial, fold)
 
 
 def _mixed_steps(c, seed, dtype):
@@ -312,10 +317,11 @@ def test_load_schedules_give_the_same_bits():
     gives the default schedule's bits with each."""
     c = Cache(torch.bfloat16, seed=3)
     steps = _mixed_steps(c, 6, torch.bfloat16)
-    base = torch.cat(c.run(steps, config=CFG))
+    par = dataclasses.replace(CFG, serial_programs=None, serial_decode_warps=None)  # serial loops ignore prefetch
+    base = torch.cat(c.run(steps, config=par))
     for kw in (dict(prefetch=1), dict(decode_prefetch=1), dict(prefetch=1, decode_prefetch=0)):
-        assert bitwise_equal(torch.cat(c.run(steps, config=dataclasses.replace(CFG, **kw))), base), kw
-    for bad in (dict(prefetch=2), dict(prefetch=True), dict(decode_prefetch=-1)):
+        assert bitwise_equal(torch.cat(c.run(steps, config=dataclasses.replace(par, **kw))), base), kw
+    for bad in (dict(prefetch=2), dict(prefetch=True), dict(prefetch=1.0), dict(decode_prefetch=-1)):
         with pytest.raises(ValueError, match="prefetch"):
             dataclasses.replace(CFG, **bad)
     with pytest.raises(ValueError, match="need decode_block_m"):
@@ -346,6 +352,10 @@ def test_serial_and_parallel_launches_give_the_same_bits():
             assert bitwise_equal(torch.cat(c.run(steps, config=cfg)), want), (kw, sp)
     with pytest.raises(ValueError, match="tree_merge=False"):
         A.AttnConfig(tree_merge=True, serial_programs=4)
+    with pytest.raises(ValueError, match="serial_decode_warps needs"):
+        A.AttnConfig(serial_decode_warps=2)
+    with pytest.raises(ValueError, match="pos"):
+        A.split_size_at(-1, CFG)
     with pytest.raises(ValueError, match="serial_programs"):
         A.AttnConfig(serial_programs=0)
 

@@ -75,18 +75,19 @@ def test_every_config_gives_the_default_bits(dtype):
 
 
 def test_long_k_is_the_in_order_sum_of_fixed_chunks():
-    """A long K (here K = 160 > 128, the interpreter's bound; 4096 on a GPU) is summed as fixed
-    chunks (64 keys here, 2048 on a GPU), each from zero, the fp32 chunk sums added in order:
+    """A long K (over 128 under the interpreter, over 4096 on a GPU) is summed as fixed chunks
+    (64 keys under the interpreter, 2048 on a GPU), each from zero, the fp32 chunk sums added in order:
     fp32 ``mm`` equals ``((0 + mm(chunk 0)) + mm(chunk 1)) + ...`` of the kit's own chunk
     products, bitwise, for every config (one program per tile, one per chunk, TMA).  A short K
     is one loop, again the same bits for every config."""
     dtype = torch.float32
-    b, _ = _weights(dtype)
-    a = row_maker(K, dtype=dtype)(65)
-    chunk = MM.k_chunk(K, dtype)
-    assert chunk < K and MM.k_chunk(chunk, dtype) == chunk
+    chunk = MM.k_chunk(10 ** 6, dtype)
+    k = 2 * chunk + 32  # long here and on a GPU (160 under the interpreter, 4128 compiled)
+    b, _ = _weights(dtype, k=k)
+    a = row_maker(k, dtype=dtype)(65)
+    assert MM.k_chunk(k, dtype) == chunk < k and MM.k_chunk(chunk, dtype) == chunk
     want = torch.zeros((65, N), dtype=dtype, device=DEV)
-    for k0 in range(0, K, chunk):
+    for k0 in range(0, k, chunk):
         want = want + MM.mm(a[:, k0:k0 + chunk].contiguous(), b[k0:k0 + chunk].contiguous())
     for cfg in ("m16c", "midc", "mid", "mid_tma", "large_persistent", "wide_tma_ws"):
         assert bitwise_equal(MM.mm(a, b, config=cfg), want), cfg
