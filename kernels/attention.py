@@ -577,7 +577,7 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, seq_len, kv_off,
         m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
         # when the split is complete: split 0 becomes the running state, a later one is folded
         # into it; then the split state starts again.  Selects, not a branch: on the H200 the
-        # branch was slower (prefill 4k: 1208 vs 887 us; 2-warp decode at batch 64 ~4%)
+        # branch was slower (prefill 4k: 1208 vs 887 us; 2-warp decode at batch 64 about 3%)
         done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
         first = t < split_tiles
         m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
@@ -951,13 +951,17 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
     T, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     d_pad = plan.ws_acc.shape[1]
-    dec = lambda v, default: default if v is None else v  # noqa: E731
+    # the decode-tile launch: its own warps / stages / prefetch where the config sets them
+    dec_warps = cfg.num_warps if cfg.decode_num_warps is None else cfg.decode_num_warps
+    if plan.dec_serial and cfg.serial_decode_warps is not None:
+        dec_warps = cfg.serial_decode_warps
+    dec_stages = cfg.num_stages if cfg.decode_num_stages is None else cfg.decode_num_stages
+    dec_prefetch = cfg.prefetch if cfg.decode_prefetch is None else cfg.decode_prefetch
     for tile_seq, tile_tok, tile_split, q_tile, warps, stages, prefetch, serial in (
             (plan.tile_seq, plan.tile_tok, plan.tile_split, plan.q_tile, cfg.num_warps, cfg.num_stages,
              cfg.prefetch, plan.serial),
-            (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_tile_split, plan.dec_q_tile,
-             dec(cfg.serial_decode_warps if plan.dec_serial else None, dec(cfg.decode_num_warps, cfg.num_warps)),
-             dec(cfg.decode_num_stages, cfg.num_stages), dec(cfg.decode_prefetch, cfg.prefetch), plan.dec_serial)):
+            (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_tile_split, plan.dec_q_tile, dec_warps, dec_stages,
+             dec_prefetch, plan.dec_serial)):
         if tile_seq.shape[0] == 0:
             continue
         _attn_split_kernel[(tile_seq.shape[0], hkv, 1 if serial else plan.max_splits)](

@@ -223,9 +223,9 @@ def variant_split_k(M: int, N: int, K: int, dtype: torch.dtype) -> int:
     return min(want, kb)
 
 
-def _resolve_config(config, M, N, K, dtype) -> MMConfig:
+def _resolve_config(config, M, N, K, dtype, compiled=None) -> MMConfig:
     if config is None:
-        return select_config(M, N, K, dtype)
+        return select_config(M, N, K, dtype, compiled=compiled)
     if isinstance(config, MMConfig):
         return config
     if isinstance(config, str):
@@ -251,8 +251,7 @@ def launch_info(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, 
     """What a launch of ``impl`` does for this shape: config, BLOCK_K, split_k, K chunks, grid
     (``compiled``: the long-K rule of a GPU or of the interpreter, ``None``: this process's; see
     :func:`k_chunk`.  A persistent grid is sized from this process's SM count either way)."""
-    cfg = select_config(M, N, K, dtype, compiled=compiled) if config is None else \
-        _resolve_config(config, M, N, K, dtype)
+    cfg = _resolve_config(config, M, N, K, dtype, compiled)
     bk = block_k(dtype)
     programs_k, _, chunk_blocks = _k_plan(impl, cfg, M, N, K, dtype, compiled)
     split = programs_k if impl == "variant" else 1
