@@ -215,6 +215,11 @@ class AttnConfig:
     serial_programs: int | None = None
     #: warps of a serial decode-tile launch (``None``: the decode launch's warps)
     serial_decode_warps: int | None = None
+    #: the merge of a parallel launch (one program per split) without a merge launch: the
+    #: split program of a (query tile, kv head) that finishes last (an atomic counter) folds
+    #: the tile's split states in split order, exactly as the merge kernel would, and writes
+    #: the output.  Which program does it never changes the operations; needs ``tree_merge=False``
+    fused_merge: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
@@ -245,6 +250,11 @@ class AttnConfig:
         if self.serial_decode_warps is not None and self.decode_block_m is None:
             raise ValueError("serial_decode_warps needs decode_block_m (the decode-tile launch; it applies when "
                              "serial_programs makes that launch serial)")
+        if self.fused_merge is not True and self.fused_merge is not False:
+            raise ValueError(f"fused_merge must be a bool, got {self.fused_merge!r}")
+        if self.fused_merge and self.tree_merge:
+            raise ValueError("fused_merge needs tree_merge=False (the last split program folds the states in "
+                             "order: the left fold)")
         if self.serial_programs is not None and self.tree_merge:
             raise ValueError("serial_programs needs tree_merge=False (a serial program folds its splits in "
                              "order: the left fold)")
@@ -607,14 +617,39 @@ def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr):
     return m_new, l, acc
 
 
+@triton.jit
+def _fold_rows(ws_acc_ptr, ws_ml_ptr, w0, n, ok, d, ROWS: tl.constexpr, D_PAD: tl.constexpr):
+    """The left fold of the workspace states ``0 .. n-1`` of a tile's rows (``w0``: their
+    state-0 index), in split order; the next state is loaded while the current one is folded.
+    Loads bypass L1 (``.cg``): the states were written by other programs of this launch."""
+    m = tl.load(ws_ml_ptr + w0 * 2, mask=ok, other=0.0, cache_modifier=".cg")
+    l = tl.load(ws_ml_ptr + w0 * 2 + 1, mask=ok, other=1.0, cache_modifier=".cg")
+    acc = tl.load(ws_acc_ptr + w0[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
+    zero = w0 * 0  # (a vector: a scalar condition in a mask is not portable to the interpreter)
+    nxt = ok & (zero + 1 < n)
+    m_n = tl.load(ws_ml_ptr + (w0 + 1) * 2, mask=nxt, other=0.0, cache_modifier=".cg")
+    l_n = tl.load(ws_ml_ptr + (w0 + 1) * 2 + 1, mask=nxt, other=0.0, cache_modifier=".cg")
+    acc_n = tl.load(ws_acc_ptr + (w0 + 1)[:, None] * D_PAD + d[None, :], mask=nxt[:, None], other=0.0,
+                    cache_modifier=".cg")
+    for i in range(1, n):
+        m_i, l_i, acc_i = m_n, l_n, acc_n
+        nxt = ok & (zero + i + 1 < n)
+        m_n = tl.load(ws_ml_ptr + (w0 + i + 1) * 2, mask=nxt, other=0.0, cache_modifier=".cg")
+        l_n = tl.load(ws_ml_ptr + (w0 + i + 1) * 2 + 1, mask=nxt, other=0.0, cache_modifier=".cg")
+        acc_n = tl.load(ws_acc_ptr + (w0 + i + 1)[:, None] * D_PAD + d[None, :], mask=nxt[:, None], other=0.0,
+                        cache_modifier=".cg")
+        m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+    return l, acc
+
+
 @triton.jit(do_not_specialize=["max_splits", "q_heads", "scale", "s_bts"])
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_tok_ptr,
-                       tile_split_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr, scale, max_splits, q_heads,
-                       s_qt, s_qh, s_cb, s_cs, s_ch, s_bts, s_ot, s_oh,
+                       tile_split_ptr, tok_ws_ptr, cnt_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr, scale, max_splits,
+                       q_heads, s_qt, s_qh, s_cb, s_cs, s_ch, s_bts, s_ot, s_oh,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_PAD: tl.constexpr, ROW_SUM: tl.constexpr, PREFETCH: tl.constexpr, SERIAL: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       FUSED: tl.constexpr, UPCAST: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
@@ -663,10 +698,26 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
         m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, seq_len, kv_off, s_cb, s_cs, d, d_ok, limit,
                                  scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, ROW_SUM, PREFETCH, UPCAST)
         keep = row_ok & ((rows * 0 + t_lo) < t_hi)
-        w = (tok.to(tl.int64) * q_heads + head) * max_splits + split
+        # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
+        w0 = (tl.load(tok_ws_ptr + tok, mask=row_ok, other=0).to(tl.int64) * q_heads + head) * max_splits
+        w = w0 + split
         tl.store(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
         tl.store(ws_ml_ptr + w * 2, m, mask=keep)
         tl.store(ws_ml_ptr + w * 2 + 1, l, mask=keep)
+        if FUSED:
+            n_split = (diag + split_tiles) // split_tiles  # the tile's splits: ceil((diag + 1) / split_tiles)
+            if split < n_split:
+                # every thread's stores above, then one release-acquire count per (tile, kv head)
+                tl.debug_barrier()
+                cnt = cnt_ptr + tile * tl.num_programs(1) + kvh
+                if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+                    # the last split to finish: fold states 0, 1, ... in order (the merge kernel's
+                    # left fold), write the output, reset the counter for the next launch
+                    tl.store(cnt, 0)
+                    l, acc = _fold_rows(ws_acc_ptr, ws_ml_ptr, w0, n_split, row_ok, d, Q_TILE * QPK_PAD, D_PAD)
+                    o = acc / l[:, None]
+                    o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+                    tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
@@ -677,12 +728,13 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_pt
     in a fixed order: ``TREE`` the max-then-chunked-pairwise-sums of the module docstring, else
     the left fold of states 0, 1, 2, ... (``_fold``; the states are loaded CHUNK at a time, then
     folded one by one in registers); then ``out = acc / l`` rounded once to out's dtype."""
-    tok = tl.load(merge_tok_ptr + tl.program_id(0))
+    rank = tl.program_id(0)  # the token's place in the workspace
+    tok = tl.load(merge_tok_ptr + rank)
     h = tl.program_id(1)
     pos = tl.load(tok_pos_ptr + tok)
     n = pos // tl.load(tok_split_ptr + tok) + 1  # the splits a row has: ceil((pos + 1) / split)
     d = tl.arange(0, D_PAD)
-    w = (tok.to(tl.int64) * q_heads + h) * max_splits
+    w = (rank.to(tl.int64) * q_heads + h) * max_splits
     idx = tl.arange(0, CHUNK)
     if TREE:
         # the row max over its n splits (max is exact in any order), then
@@ -886,8 +938,13 @@ class AttnPlan:
     #: whether the multi-token tiles / the decode tiles run serially (``serial_programs``)
     serial: bool = False
     dec_serial: bool = False
-    #: the tokens the merge kernel folds (those of the parallel launches)
+    #: the tokens of the parallel launches (the workspace's rows, in this order; the merge
+    #: kernel folds them), and each token's rank among them (0 for serial tokens: unused)
     merge_tok: torch.Tensor | None = None
+    tok_ws: torch.Tensor | None = None
+    #: ``fused_merge``: one arrival counter per (query tile, kv head), zero between launches
+    #: (the last program of a tile resets its own)
+    counters: torch.Tensor | None = None
 
 
 def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: str = "invariant",
@@ -922,24 +979,31 @@ def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: 
         for pos in range(first, seq_lens[s]):
             tok_pos.append(pos)
             tok_split.append(size_at(s, pos))
-    max_splits = max(pos // sp + 1 for pos, sp in zip(tok_pos, tok_split))
     serial = [impl == "invariant" and cfg.serial_programs is not None and len(g[0]) * kv_heads >= cfg.serial_programs
               for g in (tiles, dec)]
+    # the tokens of the parallel launches: their split states go through the workspace, which
+    # is indexed by their rank here (serial tokens take no room in it)
     merge_tok = []
     for g, q_t, ser in ((tiles, q_tile, serial[0]), (dec, 1, serial[1])):
         if not ser:
             for s, t0 in zip(g[0], g[1]):
                 merge_tok += range(t0, min(t0 + q_t, query_start_loc[s + 1]))
+    merge_tok.sort()
+    tok_ws = [0] * T
+    for r, t in enumerate(merge_tok):
+        tok_ws[t] = r
+    max_splits = max([tok_pos[t] // tok_split[t] + 1 for t in merge_tok] or [1])
     i32 = dict(dtype=torch.int32, device=q.device)
     d_pad = max(16, triton.next_power_of_2(d))
-    ws_rows = T * hq * max_splits if merge_tok else 1
+    ws_rows = max(1, len(merge_tok) * hq * max_splits)
     return AttnPlan(cfg, q_tile, qpk_pad, max_splits, split,
                     *(torch.tensor(x, **i32) for x in tiles), torch.tensor(tok_pos, **i32),
                     torch.tensor(tok_split, **i32),
                     torch.empty((ws_rows, d_pad), dtype=torch.float32, device=q.device),
                     torch.empty((ws_rows, 2), dtype=torch.float32, device=q.device),
                     dec_q_tile, *(torch.tensor(x, **i32) for x in dec), serial[0], serial[1],
-                    torch.tensor(sorted(merge_tok), **i32))
+                    torch.tensor(merge_tok, **i32), torch.tensor(tok_ws, **i32),
+                    torch.zeros(max(len(tiles[0]), len(dec[0]), 1) * kv_heads, **i32))
 
 
 def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out):
@@ -966,13 +1030,14 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
             continue
         _attn_split_kernel[(tile_seq.shape[0], hkv, 1 if serial else plan.max_splits)](
             q, k_cache, v_cache, block_table, seq_lens, query_start_loc, tile_seq, tile_tok, tile_split,
-            plan.ws_acc, plan.ws_ml, out, scale, plan.max_splits, hq,
+            plan.tok_ws, plan.counters, plan.ws_acc, plan.ws_ml, out, scale, plan.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
-            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), PREFETCH=prefetch, SERIAL=serial, UPCAST=INTERPRET,
+            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), PREFETCH=prefetch, SERIAL=serial,
+            FUSED=cfg.fused_merge and not serial, UPCAST=INTERPRET,
             num_warps=warps, num_stages=stages)
-    if plan.merge_tok.shape[0]:
+    if plan.merge_tok.shape[0] and not cfg.fused_merge:
         _attn_merge_kernel[(plan.merge_tok.shape[0], hq)](
             plan.ws_acc, plan.ws_ml, out, plan.merge_tok, plan.tok_pos, plan.tok_split, plan.max_splits, hq,
             out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, TREE=cfg.tree_merge, CHUNK=MERGE_CHUNK,
