@@ -164,7 +164,6 @@ IMPLS = ("invariant", "variant", "reference", "sdpa")
 
 
 ROW_SUMS = ("sum", "tree", "mma")
-PREFETCH_MODES = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -199,34 +198,22 @@ class AttnConfig:
     #: function of the row's own position only (:func:`split_size_at`); the rows of a query
     #: tile share their diagonal tile, hence their split size.
     split_target: int | None = None
-    #: how a split's loop fetches its KV tiles (the same values, the same arithmetic: only the
-    #: load schedule moves).  0: block-table entries, then K/V, then the math, tile by tile;
-    #: 1: the next tile's block-table entries are loaded one tile ahead.  (Session 4 also tried
-    #: K and V one tile ahead in registers: slower on the H200, removed.)  Serial launches
-    #: always use 0
-    prefetch: int = 0
-    #: ``prefetch`` of the decode-tile launch (``None``: ``prefetch``)
-    decode_prefetch: int | None = None
     #: a launch (its multi-token tiles, or its decode tiles) with at least this many programs of
     #: (query tile, kv head) runs *serially*: one program folds all of a row's splits in order
     #: and writes the output (no workspace, no merge launch); below, one program per split and
     #: the merge kernel.  The same operations either way (the left fold), so the bits never
     #: depend on it; needs ``tree_merge=False``.  ``None``: always one program per split
     serial_programs: int | None = None
-    #: warps of a serial decode-tile launch (``None``: the decode launch's warps)
+    #: warps / pipeline stages of a serial decode-tile launch (``None``: the decode launch's)
     serial_decode_warps: int | None = None
-    #: the merge of a parallel launch (one program per split) without a merge launch: the
-    #: split program of a (query tile, kv head) that finishes last (an atomic counter) folds
-    #: the tile's split states in split order, exactly as the merge kernel would, and writes
-    #: the output.  Which program does it never changes the operations; needs ``tree_merge=False``
-    fused_merge: bool = False
+    serial_decode_stages: int | None = None
 
     def __post_init__(self):
         for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
-        for name in ("decode_num_warps", "decode_num_stages", "serial_decode_warps"):
+        for name in ("decode_num_warps", "decode_num_stages", "serial_decode_warps", "serial_decode_stages"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")
@@ -234,27 +221,15 @@ class AttnConfig:
             raise ValueError(f"row_sum must be one of {ROW_SUMS}, got {self.row_sum!r}")
         if self.row_sum == "tree" and self.block_n > 256:
             raise ValueError(f"row_sum='tree' supports block_n up to 256, got block_n={self.block_n}")
-        if self.decode_block_m is None and (self.decode_num_warps, self.decode_num_stages,
-                                            self.decode_prefetch) != (None, None, None):
-            raise ValueError("decode_num_warps / decode_num_stages / decode_prefetch need decode_block_m "
-                             "(the decode-tile launch)")
-        for name in ("prefetch", "decode_prefetch"):
-            v = getattr(self, name)
-            if (v is not None or name == "prefetch") and (not isinstance(v, int) or isinstance(v, bool)
-                                                          or v not in PREFETCH_MODES):
-                raise ValueError(f"{name} must be one of {PREFETCH_MODES}, got {v!r}")
+        if self.decode_block_m is None and (self.decode_num_warps, self.decode_num_stages) != (None, None):
+            raise ValueError("decode_num_warps / decode_num_stages need decode_block_m (the decode-tile launch)")
         for name in ("split_target", "serial_programs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")
-        if self.serial_decode_warps is not None and self.decode_block_m is None:
-            raise ValueError("serial_decode_warps needs decode_block_m (the decode-tile launch; it applies when "
-                             "serial_programs makes that launch serial)")
-        if self.fused_merge is not True and self.fused_merge is not False:
-            raise ValueError(f"fused_merge must be a bool, got {self.fused_merge!r}")
-        if self.fused_merge and self.tree_merge:
-            raise ValueError("fused_merge needs tree_merge=False (the last split program folds the states in "
-                             "order: the left fold)")
+        if (self.serial_decode_warps, self.serial_decode_stages) != (None, None) and self.decode_block_m is None:
+            raise ValueError("serial_decode_warps / serial_decode_stages need decode_block_m (the decode-tile "
+                             "launch; they apply when serial_programs makes that launch serial)")
         if self.serial_programs is not None and self.tree_merge:
             raise ValueError("serial_programs needs tree_merge=False (a serial program folds its splits in "
                              "order: the left fold)")
@@ -269,14 +244,15 @@ class AttnConfig:
 
 #: Compiled on a GPU: 64-key tiles, 64-row programs; splits graded by the row's position (64 to
 #: 512 keys); one-token steps in 16-row, 4-warp tiles; the fixed pairwise row sum; the left fold,
-#: serial launches from 512 programs with 2-warp serial decode programs (session 4's H200 runs:
-#: ``results/h200/attention_decode_tiles.json``).  Under the interpreter: small tiles and splits
-#: so that short test contexts cross tile, split and mode boundaries.
+#: serial launches from 512 programs with 2-warp, 3-stage serial decode programs (session 4's and
+#: 5's H200 runs: ``results/h200/attention_decode_tiles.json``, ``session5_schedules/``).  Under
+#: the interpreter: small tiles and splits so that short test contexts cross tile, split and mode
+#: boundaries.
 DEFAULT_CONFIG = AttnConfig(64, 64, 512, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=False,
-                            split_target=32, serial_programs=512, serial_decode_warps=2)
+                            split_target=32, serial_programs=512, serial_decode_warps=2, serial_decode_stages=3)
 #: Under the interpreter: small tiles so that short test contexts cross tile and split bounds.
 INTERPRETER_CONFIG = AttnConfig(32, 32, 64, decode_block_m=16, decode_num_warps=4, row_sum="tree", tree_merge=False,
-                                split_target=2, serial_programs=8, serial_decode_warps=2)
+                                split_target=2, serial_programs=8, serial_decode_warps=2, serial_decode_stages=3)
 
 
 def default_config() -> AttnConfig:
@@ -543,25 +519,17 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
 @triton.jit
 def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, seq_len, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
                  ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                 ROW_SUM: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
+                 ROW_SUM: tl.constexpr, UPCAST: tl.constexpr):
     """The fp32 state ``(m, l, acc)`` of one split: online softmax from scratch over KV tiles
-    ``t_lo .. t_hi - 1`` in increasing order.  ``PREFETCH`` (see :class:`AttnConfig`) moves
-    loads earlier, never the arithmetic (``_tile_update``)."""
+    ``t_lo .. t_hi - 1`` in increasing order."""
     key_end = tl.minimum(seq_len, t_hi * BLOCK_N)  # the split's last key + 1 (loads stop there)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
-    if PREFETCH == 0:
-        for t in range(t_lo, t_hi):
-            blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
-            kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
-    else:
-        blk = _tile_blocks(bt_row, t_lo, key_end, BLOCK_N, CACHE_BLOCK)
-        for t in range(t_lo, t_hi):
-            kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
-            blk = _tile_blocks(bt_row, t + 1, key_end, BLOCK_N, CACHE_BLOCK)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
+    for t in range(t_lo, t_hi):
+        blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
+        kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
+        m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, ROW_SUM, UPCAST)
     return m, l, acc
 
 
@@ -617,39 +585,13 @@ def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr):
     return m_new, l, acc
 
 
-@triton.jit
-def _fold_rows(ws_acc_ptr, ws_ml_ptr, w0, n, ok, d, ROWS: tl.constexpr, D_PAD: tl.constexpr):
-    """The left fold of the workspace states ``0 .. n-1`` of a tile's rows (``w0``: their
-    state-0 index), in split order; the next state is loaded while the current one is folded.
-    Loads bypass L1 (``.cg``): the states were written by other programs of this launch."""
-    m = tl.load(ws_ml_ptr + w0 * 2, mask=ok, other=0.0, cache_modifier=".cg")
-    l = tl.load(ws_ml_ptr + w0 * 2 + 1, mask=ok, other=1.0, cache_modifier=".cg")
-    acc = tl.load(ws_acc_ptr + w0[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-    zero = w0 * 0  # (a vector: a scalar condition in a mask is not portable to the interpreter)
-    nxt = ok & (zero + 1 < n)
-    m_n = tl.load(ws_ml_ptr + (w0 + 1) * 2, mask=nxt, other=0.0, cache_modifier=".cg")
-    l_n = tl.load(ws_ml_ptr + (w0 + 1) * 2 + 1, mask=nxt, other=0.0, cache_modifier=".cg")
-    acc_n = tl.load(ws_acc_ptr + (w0 + 1)[:, None] * D_PAD + d[None, :], mask=nxt[:, None], other=0.0,
-                    cache_modifier=".cg")
-    for i in range(1, n):
-        m_i, l_i, acc_i = m_n, l_n, acc_n
-        nxt = ok & (zero + i + 1 < n)
-        m_n = tl.load(ws_ml_ptr + (w0 + i + 1) * 2, mask=nxt, other=0.0, cache_modifier=".cg")
-        l_n = tl.load(ws_ml_ptr + (w0 + i + 1) * 2 + 1, mask=nxt, other=0.0, cache_modifier=".cg")
-        acc_n = tl.load(ws_acc_ptr + (w0 + i + 1)[:, None] * D_PAD + d[None, :], mask=nxt[:, None], other=0.0,
-                        cache_modifier=".cg")
-        m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
-    return l, acc
-
-
 @triton.jit(do_not_specialize=["max_splits", "q_heads", "scale", "s_bts"])
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_tok_ptr,
-                       tile_split_ptr, tok_ws_ptr, cnt_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr, scale, max_splits,
+                       tile_split_ptr, tok_ws_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr, scale, max_splits,
                        q_heads, s_qt, s_qh, s_cb, s_cs, s_ch, s_bts, s_ot, s_oh,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       D_PAD: tl.constexpr, ROW_SUM: tl.constexpr, PREFETCH: tl.constexpr, SERIAL: tl.constexpr,
-                       FUSED: tl.constexpr, UPCAST: tl.constexpr):
+                       D_PAD: tl.constexpr, ROW_SUM: tl.constexpr, SERIAL: tl.constexpr, UPCAST: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
@@ -696,7 +638,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
         t_lo = split * split_tiles
         t_hi = tl.minimum(t_lo + split_tiles, diag + 1)
         m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, seq_len, kv_off, s_cb, s_cs, d, d_ok, limit,
-                                 scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, ROW_SUM, PREFETCH, UPCAST)
+                                 scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, ROW_SUM, UPCAST)
         keep = row_ok & ((rows * 0 + t_lo) < t_hi)
         # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
         w0 = (tl.load(tok_ws_ptr + tok, mask=row_ok, other=0).to(tl.int64) * q_heads + head) * max_splits
@@ -704,20 +646,6 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
         tl.store(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
         tl.store(ws_ml_ptr + w * 2, m, mask=keep)
         tl.store(ws_ml_ptr + w * 2 + 1, l, mask=keep)
-        if FUSED:
-            n_split = (diag + split_tiles) // split_tiles  # the tile's splits: ceil((diag + 1) / split_tiles)
-            if split < n_split:
-                # every thread's stores above, then one release-acquire count per (tile, kv head)
-                tl.debug_barrier()
-                cnt = cnt_ptr + tile * tl.num_programs(1) + kvh
-                if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n_split - 1:
-                    # the last split to finish: fold states 0, 1, ... in order (the merge kernel's
-                    # left fold), write the output, reset the counter for the next launch
-                    tl.store(cnt, 0)
-                    l, acc = _fold_rows(ws_acc_ptr, ws_ml_ptr, w0, n_split, row_ok, d, Q_TILE * QPK_PAD, D_PAD)
-                    o = acc / l[:, None]
-                    o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
-                    tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
@@ -942,9 +870,6 @@ class AttnPlan:
     #: kernel folds them), and each token's rank among them (0 for serial tokens: unused)
     merge_tok: torch.Tensor | None = None
     tok_ws: torch.Tensor | None = None
-    #: ``fused_merge``: one arrival counter per (query tile, kv head), zero between launches
-    #: (the last program of a tile resets its own)
-    counters: torch.Tensor | None = None
 
 
 def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: str = "invariant",
@@ -1002,42 +927,41 @@ def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: 
                     torch.empty((ws_rows, d_pad), dtype=torch.float32, device=q.device),
                     torch.empty((ws_rows, 2), dtype=torch.float32, device=q.device),
                     dec_q_tile, *(torch.tensor(x, **i32) for x in dec), serial[0], serial[1],
-                    torch.tensor(merge_tok, **i32), torch.tensor(tok_ws, **i32),
-                    torch.zeros(max(len(tiles[0]), len(dec[0]), 1) * kv_heads, **i32))
+                    torch.tensor(merge_tok, **i32), torch.tensor(tok_ws, **i32))
 
 
-def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out):
+def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out, *,
+           merge: bool = True):
     """The kernel launches of :func:`attention` for a prepared plan: the split kernel over the
     multi-token tiles and over the decode tiles (each launched when it has tiles), then the
     merge (no validation, no host synchronisation: the benchmark times this, and it can be
-    captured in a CUDA graph)."""
+    captured in a CUDA graph).  ``merge=False`` leaves the merge out (the output of parallel
+    launches is then unfinished): the benchmark times the split kernels alone with it."""
     cfg = plan.config
     T, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     d_pad = plan.ws_acc.shape[1]
-    # the decode-tile launch: its own warps / stages / prefetch where the config sets them
+    # the decode-tile launch: its own warps / stages where the config sets them (serial or not)
     dec_warps = cfg.num_warps if cfg.decode_num_warps is None else cfg.decode_num_warps
-    if plan.dec_serial and cfg.serial_decode_warps is not None:
-        dec_warps = cfg.serial_decode_warps
     dec_stages = cfg.num_stages if cfg.decode_num_stages is None else cfg.decode_num_stages
-    dec_prefetch = cfg.prefetch if cfg.decode_prefetch is None else cfg.decode_prefetch
-    for tile_seq, tile_tok, tile_split, q_tile, warps, stages, prefetch, serial in (
-            (plan.tile_seq, plan.tile_tok, plan.tile_split, plan.q_tile, cfg.num_warps, cfg.num_stages,
-             cfg.prefetch, plan.serial),
+    if plan.dec_serial:
+        dec_warps = dec_warps if cfg.serial_decode_warps is None else cfg.serial_decode_warps
+        dec_stages = dec_stages if cfg.serial_decode_stages is None else cfg.serial_decode_stages
+    for tile_seq, tile_tok, tile_split, q_tile, warps, stages, serial in (
+            (plan.tile_seq, plan.tile_tok, plan.tile_split, plan.q_tile, cfg.num_warps, cfg.num_stages, plan.serial),
             (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_tile_split, plan.dec_q_tile, dec_warps, dec_stages,
-             dec_prefetch, plan.dec_serial)):
+             plan.dec_serial)):
         if tile_seq.shape[0] == 0:
             continue
         _attn_split_kernel[(tile_seq.shape[0], hkv, 1 if serial else plan.max_splits)](
             q, k_cache, v_cache, block_table, seq_lens, query_start_loc, tile_seq, tile_tok, tile_split,
-            plan.tok_ws, plan.counters, plan.ws_acc, plan.ws_ml, out, scale, plan.max_splits, hq,
+            plan.tok_ws, plan.ws_acc, plan.ws_ml, out, scale, plan.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
-            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), PREFETCH=prefetch, SERIAL=serial,
-            FUSED=cfg.fused_merge and not serial, UPCAST=INTERPRET,
+            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), SERIAL=serial, UPCAST=INTERPRET,
             num_warps=warps, num_stages=stages)
-    if plan.merge_tok.shape[0] and not cfg.fused_merge:
+    if merge and plan.merge_tok.shape[0]:
         _attn_merge_kernel[(plan.merge_tok.shape[0], hq)](
             plan.ws_acc, plan.ws_ml, out, plan.merge_tok, plan.tok_pos, plan.tok_split, plan.max_splits, hq,
             out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, TREE=cfg.tree_merge, CHUNK=MERGE_CHUNK,

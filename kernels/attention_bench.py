@@ -142,19 +142,18 @@ def _decode_positions_differing(c, q, pre, n, config=None) -> list:
     return (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
 
 
-#: Decode schedules compared in the stored run (session 4; the exploratory runs before it are
-#: summarised in results/h200/README.md): the session-3 default (tree merge, fixed 512-key
-#: splits, one program per split), the same with position-graded splits, and the left fold with
-#: serial launches from 512 programs (graded or fixed splits; 2 or 4 warps per serial decode
-#: program).  The shipped default is the third.  Earlier lists: git history, stored JSON.
+#: Decode schedules compared in the stored run (sessions 3-5; the exploratory runs are summarised
+#: in results/h200/README.md): session 3's default (tree merge, fixed 512-key splits, one program
+#: per split), session 4's (position-graded splits, the left fold, serial launches from 512
+#: programs with 2-warp serial decode programs), session 5's (the same with 3-stage serial decode
+#: programs: the shipped default) and that with 128-row, 8-warp prefill programs.
 _DT = dict(decode_block_m=16, decode_num_warps=4, row_sum="tree")
-_FOLD = dict(tree_merge=False, serial_programs=512, **_DT)
+_FOLD = dict(tree_merge=False, serial_programs=512, split_target=32, serial_decode_warps=2, **_DT)
 DECODE_TILE_CONFIGS = [
     A.AttnConfig(64, 64, 512, tree_merge=True, **_DT),
-    A.AttnConfig(64, 64, 512, tree_merge=True, split_target=32, **_DT),
-    A.AttnConfig(64, 64, 512, split_target=32, serial_decode_warps=2, **_FOLD),
-    A.AttnConfig(64, 64, 512, split_target=32, serial_decode_warps=4, **_FOLD),
-    A.AttnConfig(64, 64, 512, serial_decode_warps=2, **_FOLD),
+    A.AttnConfig(64, 64, 512, **_FOLD),
+    A.AttnConfig(64, 64, 512, serial_decode_stages=3, **_FOLD),
+    A.AttnConfig(64, 128, 512, num_warps=8, serial_decode_stages=3, **_FOLD),
 ]
 
 
@@ -198,16 +197,33 @@ def _time(fn, per=None):
     return median_us_graph_or_plain(fn, warmup=5, reps=50, calls_per_graph=per)
 
 
+def _fa3():
+    """vLLM's FlashAttention-3 varlen function where vLLM is staged (``None`` otherwise)."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: PLC0415
+        from vllm.vllm_flash_attn.flash_attn_interface import FA3_AVAILABLE  # noqa: PLC0415
+    except Exception as e:  # vLLM not staged on this machine
+        print(f"  (FlashAttention-3 not available: {e!r:.120})", flush=True)
+        return None
+    return flash_attn_varlen_func if FA3_AVAILABLE else None
+
+
 def bench(quick: bool) -> tuple:
     """Decode (batch 1/8/64 x context 1k/8k/32k) and prefill (1k/4k/8k): the kit's invariant
-    and variant kernels (planned once: the timed call is the two launches) vs SDPA on a
-    gathered contiguous KV (enable_gqa; the gather is not timed).  bf16."""
+    and variant kernels (planned once: the timed call is the kernel launches; the split kernels
+    alone are timed too) vs SDPA on a gathered contiguous KV (enable_gqa; the gather is not
+    timed) and, where vLLM is staged, FlashAttention-3 on the same paged cache with automatic
+    splits and with ``num_splits=1`` (vLLM's batch-invariant setting).  Per cell, row 0's
+    output alone vs in the batch is compared bitwise for the kit and for both FA3 settings.
+    bf16."""
     F = torch.nn.functional
     cfg = A.default_config()
+    fa3 = _fa3()
     dtype = torch.bfloat16
     rows, checks = [], []
     batches = (1, 8, 64)
     ctxs = (1024, 8192) if quick else (1024, 8192, 32768)
+    row0 = {}  # (impl, B, L) -> row 0 alone == row 0 in the batch
     for L in ctxs:
         for B in batches:
             gen = torch.Generator(device="cuda").manual_seed(B * 100003 + L)
@@ -219,28 +235,61 @@ def bench(quick: bool) -> tuple:
             _, bt, lens, qsl = c.args([(i, q[i:i + 1], L) for i in range(B)])
             out = torch.empty_like(q)
             scale = D ** -0.5
-            cell, per = {}, None
+            cell, per, first = {}, None, len(rows)
             for impl in ("invariant", "variant"):  # the invariant first: its calls per graph set the cell's
                 plan = A.make_plan(q, HKV, [L] * B, list(range(B + 1)), impl=impl, config=cfg)
                 t, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out), per)
                 if per is None and g:
                     per = t["calls_per_timing"]
                 cell[impl] = t["median_us"]
+                extra = {}
+                if impl == "invariant":
+                    ts, _ = _time(lambda: A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out, merge=False), per)
+                    extra = {"split_kernels_us": ts["median_us"], "serial": plan.dec_serial}
+                    A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out)
+                    alone = torch.empty_like(q[:1])
+                    A.launch(A.make_plan(q[:1], HKV, [L], [0, 1], config=cfg), q[:1], c.k, c.v, bt[:1], lens[:1],
+                             qsl[:2], scale, alone)
+                    row0[("kit-invariant", B, L)] = bitwise_equal(out[:1], alone)
                 rows.append({"op": "attention_decode", "impl": f"kit-{impl}", "dtype": "bfloat16", "batch": B,
-                             "context": L, "splits": plan.max_splits, **t, "cuda_graph": g})
+                             "context": L, "splits": -(-L // plan.split[0]), "invariant": impl == "invariant",
+                             **extra, **t, "cuda_graph": g})
             ks = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[0] for i in range(B)]).transpose(1, 2).contiguous()
             vs = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[1] for i in range(B)]).transpose(1, 2).contiguous()
             q4 = q.unsqueeze(2)
             t, g = _time(lambda: F.scaled_dot_product_attention(q4, ks, vs, scale=scale, enable_gqa=True), per)
             cell["sdpa"] = t["median_us"]
             rows.append({"op": "attention_decode", "impl": "sdpa-gathered", "dtype": "bfloat16", "batch": B,
-                         "context": L, **t, "cuda_graph": g})
-            for r in rows[-3:]:
+                         "context": L, "invariant": False, **t, "cuda_graph": g})
+            del ks, vs
+            if fa3 is not None:
+                for name, ns in (("fa3-auto-splits", 0), ("fa3-num_splits1", 1)):
+                    def run_fa3(qq=q, b=bt, ln=lens, cu=qsl, o=out, ns=ns):
+                        return fa3(qq, c.k, c.v, 1, cu, L, seqused_k=ln, block_table=b, softmax_scale=scale,
+                                   causal=True, num_splits=ns, fa_version=3, out=o)
+                    try:
+                        t, g = _time(run_fa3, per)
+                    except Exception as e:  # recorded, not fatal
+                        rows.append({"op": "attention_decode", "impl": name, "batch": B, "context": L,
+                                     "error": repr(e)[:300]})
+                        continue
+                    run_fa3()
+                    alone = torch.empty_like(q[:1])
+                    run_fa3(q[:1], bt[:1], lens[:1], qsl[:2], alone)
+                    row0[(name, B, L)] = bitwise_equal(out[:1], alone)
+                    cell[name] = t["median_us"]
+                    rows.append({"op": "attention_decode", "impl": name, "dtype": "bfloat16", "batch": B,
+                                 "context": L, "invariant": ns == 1, **t, "cuda_graph": g})
+            peers = {k: v for k, v in cell.items() if k in ("variant", "sdpa", "fa3-auto-splits")}
+            fastest = min(peers, key=peers.get)
+            for r in rows[first:]:
                 r["ratio_invariant_over_sdpa"] = cell["invariant"] / cell["sdpa"]
                 r["ratio_invariant_over_variant"] = cell["invariant"] / cell["variant"]
-            print(f"  decode B={B:<3} L={L:<6} inv {cell['invariant']:.1f}us var {cell['variant']:.1f}us "
-                  f"sdpa {cell['sdpa']:.1f}us", flush=True)
-            del c, ks, vs
+                r["fastest_non_invariant_peer"] = fastest
+                r["speed_ratio_vs_fastest_peer"] = peers[fastest] / cell["invariant"]
+            print(f"  decode B={B:<3} L={L:<6} " + " ".join(f"{k} {v:.1f}us" for k, v in cell.items())
+                  + f" | split kernels {rows[first]['split_kernels_us']:.1f}us", flush=True)
+            del c
     for n in ((1024, 4096) if quick else (1024, 4096, 8192)):
         gen = torch.Generator(device="cuda").manual_seed(n)
         c = _Paged(n, dtype, seed=n)
@@ -260,9 +309,27 @@ def bench(quick: bool) -> tuple:
                                                                enable_gqa=True))
         rows.append({"op": "attention_prefill", "impl": "sdpa", "dtype": "bfloat16", "tokens": n, **t_sd,
                      "cuda_graph": g, "ratio_invariant_over_sdpa": t_inv["median_us"] / t_sd["median_us"]})
-        print(f"  prefill n={n}: inv {t_inv['median_us']:.1f}us sdpa {t_sd['median_us']:.1f}us", flush=True)
+        line = f"  prefill n={n}: inv {t_inv['median_us']:.1f}us sdpa {t_sd['median_us']:.1f}us"
+        if fa3 is not None:
+            try:
+                t_fa, g = _time(lambda: fa3(q, c.k, c.v, n, qsl, n, seqused_k=lens, block_table=bt, softmax_scale=scale,
+                                            causal=True, fa_version=3, out=out))
+                rows.append({"op": "attention_prefill", "impl": "fa3-paged", "dtype": "bfloat16", "tokens": n,
+                             **t_fa, "cuda_graph": g, "ratio_invariant_over_fa3": t_inv["median_us"] / t_fa["median_us"]})
+                line += f" fa3 {t_fa['median_us']:.1f}us"
+            except Exception as e:
+                rows.append({"op": "attention_prefill", "impl": "fa3-paged", "tokens": n, "error": repr(e)[:300]})
+        print(line, flush=True)
     checks.append({"name": "attention benchmark ran (timings are data, not pass/fail)", "passed": True,
                    "informational": True})
+    cells = [(B, L) for L in ctxs for B in batches]
+    checks.append({"name": "kit invariant decode: row 0 alone == row 0 in its batch, every benchmark cell",
+                   "passed": all(row0[("kit-invariant", B, L)] for B, L in cells)})
+    if fa3 is not None:
+        for name in ("fa3-auto-splits", "fa3-num_splits1"):
+            same = {f"{B}x{L}": row0[(name, B, L)] for B, L in cells if (name, B, L) in row0}
+            checks.append({"name": f"{name}: row 0 alone == row 0 in its batch (informational: which cells)",
+                           "passed": True, "informational": True, "cells": same})
     return rows, checks
 
 

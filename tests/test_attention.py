@@ -230,7 +230,7 @@ def test_decode_tiles_option_plumbing():
     assert CFG.serial_programs is not None and CFG.split_target is not None
     dec_cfg = CFG
     single = dataclasses.replace(CFG, decode_block_m=None, decode_num_warps=None, decode_num_stages=None,
-                                 serial_decode_warps=None)
+                                 serial_decode_warps=None, serial_decode_stages=None)
     dtype = torch.bfloat16
     c = Cache(dtype, seed=3)
     steps = []
@@ -311,21 +311,26 @@ def _mixed_steps(c, seed, dtype):
     return steps
 
 
-def test_load_schedules_give_the_same_bits():
-    """``prefetch`` / ``decode_prefetch`` move loads (block-table entries one tile ahead), never
-    arithmetic: a mixed launch (decode rows across tiles and splits, plus a prefill chunk)
-    gives the default schedule's bits with each."""
-    c = Cache(torch.bfloat16, seed=3)
-    steps = _mixed_steps(c, 6, torch.bfloat16)
-    par = dataclasses.replace(CFG, serial_programs=None, serial_decode_warps=None)  # serial loops ignore prefetch
-    base = torch.cat(c.run(steps, config=par))
-    for kw in (dict(prefetch=1), dict(decode_prefetch=1), dict(prefetch=1, decode_prefetch=0)):
-        assert bitwise_equal(torch.cat(c.run(steps, config=dataclasses.replace(par, **kw))), base), kw
-    for bad in (dict(prefetch=2), dict(prefetch=True), dict(prefetch=1.0), dict(decode_prefetch=-1)):
-        with pytest.raises(ValueError, match="prefetch"):
-            dataclasses.replace(CFG, **bad)
-    with pytest.raises(ValueError, match="need decode_block_m"):
-        A.AttnConfig(decode_prefetch=1)
+def test_workspace_holds_the_parallel_tokens_only():
+    """The fp32 split states of a launch go to a workspace indexed by the rank of the tokens of
+    its parallel (one program per split) launches: serial tokens take no room, and its number
+    of splits per row is that of the parallel tokens.  A launch with serial decode rows and a
+    parallel prefill chunk gives the bits of the all-parallel launch."""
+    c = Cache(torch.bfloat16, seed=5)
+    steps = _mixed_steps(c, 8, torch.bfloat16)
+    q = torch.cat([s[1] for s in steps])
+    lens = [s[2] for s in steps]
+    qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
+    par = dataclasses.replace(CFG, serial_programs=None)
+    mixed = dataclasses.replace(CFG, serial_programs=len(LENS) * HKV)  # decode tiles serial, the chunk not
+    p_par, p_mix = (A.make_plan(q, HKV, lens, qsl, config=cfg) for cfg in (par, mixed))
+    assert (p_mix.serial, p_mix.dec_serial) == (False, True)
+    chunk = list(range(qsl[-2], qsl[-1]))
+    assert p_mix.merge_tok.tolist() == chunk and p_mix.tok_ws[chunk].tolist() == list(range(len(chunk)))
+    splits = lambda toks: max(int(p_par.tok_pos[t]) // int(p_par.tok_split[t]) + 1 for t in toks)  # noqa: E731
+    assert p_par.max_splits == splits(range(len(q))) and p_mix.max_splits == splits(chunk)
+    assert p_mix.ws_acc.shape[0] == len(chunk) * HQ * p_mix.max_splits < p_par.ws_acc.shape[0]
+    assert bitwise_equal(torch.cat(c.run(steps, config=mixed)), torch.cat(c.run(steps, config=par)))
 
 
 def test_serial_and_parallel_launches_give_the_same_bits():
@@ -352,8 +357,11 @@ def test_serial_and_parallel_launches_give_the_same_bits():
             assert bitwise_equal(torch.cat(c.run(steps, config=cfg)), want), (kw, sp)
     with pytest.raises(ValueError, match="tree_merge=False"):
         A.AttnConfig(tree_merge=True, serial_programs=4)
-    with pytest.raises(ValueError, match="serial_decode_warps needs"):
-        A.AttnConfig(serial_decode_warps=2)
+    for kw in (dict(serial_decode_warps=2), dict(serial_decode_stages=3)):
+        with pytest.raises(ValueError, match="need decode_block_m"):
+            A.AttnConfig(**kw)
+    with pytest.raises(ValueError, match="serial_decode_stages"):
+        A.AttnConfig(decode_block_m=16, serial_decode_stages=0)
     with pytest.raises(ValueError, match="pos"):
         A.split_size_at(-1, CFG)
     with pytest.raises(ValueError, match="serial_programs"):
@@ -485,6 +493,8 @@ def test_attention_bench_imports():
     from kernels import attention_bench
 
     assert callable(attention_bench.consistency) and callable(attention_bench.bench)
+    # the stored schedule comparison includes the shipped default
+    assert A.DEFAULT_CONFIG in attention_bench.DECODE_TILE_CONFIGS
 
 
 @pytest.mark.gpu
