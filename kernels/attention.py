@@ -136,6 +136,7 @@ import triton  # noqa: E402  (after kernels.device: the interpreter is chosen fi
 import triton.language as tl  # noqa: E402
 
 from .matmul import _sm_count  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402  (Hopper's PDL)
 from .tl_numerics import from_f32, to_f32  # noqa: E402  (exact bf16 moves on the interpreter)
 
 __all__ = [
@@ -411,6 +412,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 #: splits merged per step by the tree merge (``AttnConfig.tree_merge``): a constant, never a
 #: function of the batch
 MERGE_CHUNK = 16
+#: columns of the output per program of the left-fold merge (one warp: a column per lane);
+#: the fold is column-wise, so this moves work between programs, never the arithmetic
+MERGE_COLUMNS = 32
 
 # --------------------------------------------------------------------------------------------
 # The kernels: partial states per split, then the fixed-order merge
@@ -517,12 +521,12 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
 
 
 @triton.jit
-def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, seq_len, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
+def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
                  ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
                  ROW_SUM: tl.constexpr, UPCAST: tl.constexpr):
     """The fp32 state ``(m, l, acc)`` of one split: online softmax from scratch over KV tiles
     ``t_lo .. t_hi - 1`` in increasing order."""
-    key_end = tl.minimum(seq_len, t_hi * BLOCK_N)  # the split's last key + 1 (loads stop there)
+    key_end = tl.minimum(key_stop, t_hi * BLOCK_N)  # the split's last key + 1 (loads stop there)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
@@ -534,7 +538,7 @@ def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, seq_len, kv_off, s_cb, s
 
 
 @triton.jit
-def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, seq_len, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
+def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
                ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
                ROW_SUM: tl.constexpr, UPCAST: tl.constexpr):
     """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
@@ -542,7 +546,7 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, seq_len, kv_off,
     split's state is built from scratch exactly as ``_split_state`` builds it, and when the
     split's last tile is done it becomes the running state (split 0) or is folded into it
     (``_fold``), in split order."""
-    key_end = tl.minimum(seq_len, n_tiles * BLOCK_N)
+    key_end = tl.minimum(key_stop, n_tiles * BLOCK_N)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
@@ -586,12 +590,13 @@ def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads", "scale", "s_bts"])
-def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_tok_ptr,
+def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr, tile_rows_ptr, tile_pos_ptr,
                        tile_split_ptr, tok_ws_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr, scale, max_splits,
                        q_heads, s_qt, s_qh, s_cb, s_cs, s_ch, s_bts, s_ot, s_oh,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       D_PAD: tl.constexpr, ROW_SUM: tl.constexpr, SERIAL: tl.constexpr, UPCAST: tl.constexpr):
+                       D_PAD: tl.constexpr, ROW_SUM: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
+                       UPCAST: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
@@ -601,23 +606,27 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # the merge launch may start its prologue now (it waits for this grid before reading)
+        gdc_launch_dependents()
+    # the tile's own entries of the plan (independent loads): sequence, first token, tokens,
+    # position of the first token, keys per split
     seq = tl.load(tile_seq_ptr + tile)
     tok0 = tl.load(tile_tok_ptr + tile)
-    q_lo = tl.load(qsl_ptr + seq)
-    q_hi = tl.load(qsl_ptr + seq + 1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    first_pos = seq_len - (q_hi - q_lo)  # position of the sequence's first new token
+    n_tok = tl.load(tile_rows_ptr + tile)
+    pos0 = tl.load(tile_pos_ptr + tile)
+    split_tiles = tl.load(tile_split_ptr + tile) // BLOCK_N
 
     rows = tl.arange(0, Q_TILE * QPK_PAD)
-    tok = tok0 + rows // QPK_PAD
+    r_tok = rows // QPK_PAD
+    tok = tok0 + r_tok
     hh = rows % QPK_PAD
-    row_ok = (tok < q_hi) & (hh < QPK)
-    pos = first_pos + (tok - q_lo)
+    row_ok = (r_tok < n_tok) & (hh < QPK)
+    pos = pos0 + r_tok
     head = kvh * QPK + hh
-    # every valid row of the tile has the same diagonal KV tile (the chunk alignment rule)
-    last_tok = tl.minimum(tok0 + Q_TILE, q_hi) - 1
-    diag = (first_pos + (last_tok - q_lo)) // BLOCK_N
-    split_tiles = tl.load(tile_split_ptr + tile) // BLOCK_N
+    # every valid row of the tile has the same diagonal KV tile (the chunk alignment rule);
+    # keys past the tile's last row are masked for all its rows and never loaded
+    key_stop = pos0 + n_tok  # the tile's last row's position + 1
+    diag = (key_stop - 1) // BLOCK_N
     limit = tl.where(row_ok, pos + 1, 1)  # keys < limit are visible to the row
 
     d = tl.arange(0, D_PAD)
@@ -629,7 +638,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
     bt_row = bt_ptr + seq.to(tl.int64) * s_bts
     kv_off = kvh * s_ch
     if SERIAL:
-        m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, diag + 1, split_tiles, seq_len, kv_off, s_cb, s_cs, d,
+        m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, diag + 1, split_tiles, key_stop, kv_off, s_cb, s_cs, d,
                                d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, ROW_SUM, UPCAST)
         o = acc / l[:, None]
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
@@ -637,7 +646,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
     else:
         t_lo = split * split_tiles
         t_hi = tl.minimum(t_lo + split_tiles, diag + 1)
-        m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, seq_len, kv_off, s_cb, s_cs, d, d_ok, limit,
+        m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit,
                                  scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, ROW_SUM, UPCAST)
         keep = row_ok & ((rows * 0 + t_lo) < t_hi)
         # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
@@ -650,20 +659,28 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, til
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
 def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_ptr, tok_split_ptr, max_splits,
-                       q_heads, s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TREE: tl.constexpr,
-                       CHUNK: tl.constexpr):
-    """Program (token of a parallel launch, q head): the merge of the row's split states in fp32
-    in a fixed order: ``TREE`` the max-then-chunked-pairwise-sums of the module docstring, else
-    the left fold of states 0, 1, 2, ... (``_fold``; the states are loaded CHUNK at a time, then
-    folded one by one in registers); then ``out = acc / l`` rounded once to out's dtype."""
+                       q_heads, s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_BLK: tl.constexpr,
+                       TREE: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program (token of a parallel launch, q head, block of ``D_BLK`` columns): the merge of
+    the row's split states in fp32 in a fixed order: ``TREE`` the max-then-chunked-pairwise-sums
+    of the module docstring (``D_BLK == D_PAD``), else the left fold of states 0, 1, 2, ...
+    (``_fold``); then ``out = acc / l`` rounded once to out's dtype.
+
+    The fold is column-wise: every column carries its own copy of ``m`` and ``l`` (the same
+    operations on the same values, so the same bits in every column) and folds its ``acc``
+    element, so the columns can be split among programs and a thread folds its own columns
+    with no data from other threads (no shuffles, no extraction).  The loop body holds CHUNK
+    states, unrolled: their loads do not wait for the fold."""
     rank = tl.program_id(0)  # the token's place in the workspace
     tok = tl.load(merge_tok_ptr + rank)
     h = tl.program_id(1)
     pos = tl.load(tok_pos_ptr + tok)
     n = pos // tl.load(tok_split_ptr + tok) + 1  # the splits a row has: ceil((pos + 1) / split)
-    d = tl.arange(0, D_PAD)
+    d = tl.program_id(2) * D_BLK + tl.arange(0, D_BLK)
     w = (rank.to(tl.int64) * q_heads + h) * max_splits
     idx = tl.arange(0, CHUNK)
+    if PDL:  # launched early (programmatic dependent launch): wait for the split kernel's states
+        gdc_wait()
     if TREE:
         # the row max over its n splits (max is exact in any order), then
         # l = sum_i l_i e^(m_i - M), acc likewise, chunk by chunk of CHUNK splits; inside a chunk a
@@ -673,7 +690,7 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_pt
             mx = tl.maximum(mx, tl.max(tl.load(ws_ml_ptr + (w + c + idx) * 2, mask=c + idx < n,
                                                other=float("-inf")), 0))
         l = tl.zeros((1,), tl.float32)
-        acc = tl.zeros((D_PAD,), tl.float32)
+        acc = tl.zeros((D_BLK,), tl.float32)
         for c in range(0, n, CHUNK):
             ok = c + idx < n
             m_c = tl.load(ws_ml_ptr + (w + c + idx) * 2, mask=ok, other=float("-inf"))
@@ -681,26 +698,23 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_pt
             acc_c = tl.load(ws_acc_ptr + (w + c + idx)[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0)
             wgt = tl.where(ok, tl.exp(m_c - mx), 0.0)
             l = l + _row_sum(tl.reshape(l_c * wgt, (1, CHUNK)), True, 1, CHUNK)
-            acc = acc + _row_sum(tl.trans(acc_c * wgt[:, None]), True, D_PAD, CHUNK)
+            acc = acc + _row_sum(tl.trans(acc_c * wgt[:, None]), True, D_BLK, CHUNK)
         o = acc / tl.sum(l, 0)  # (a sum of one element: exact)
-    else:  # the left fold (((s0 + s1) + s2) + ...)
-        m = tl.load(ws_ml_ptr + w * 2)
-        l = tl.load(ws_ml_ptr + w * 2 + 1)
+    else:  # the left fold (((s0 + s1) + s2) + ...), column by column
+        col = d * 0
+        m = tl.load(ws_ml_ptr + w * 2 + col)
+        l = tl.load(ws_ml_ptr + w * 2 + 1 + col)
         acc = tl.load(ws_acc_ptr + w * D_PAD + d)
-        for c in range(1, n, CHUNK):  # states c .. c+CHUNK-1 loaded at once, folded one by one
-            ok = c + idx < n
-            m_c = tl.load(ws_ml_ptr + (w + c + idx) * 2, mask=ok, other=float("-inf"))
-            l_c = tl.load(ws_ml_ptr + (w + c + idx) * 2 + 1, mask=ok, other=0.0)
-            acc_c = tl.load(ws_acc_ptr + (w + c + idx)[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0)
+        for c in range(1, n, CHUNK):  # CHUNK states per step: their loads are independent of the fold
             for j in tl.static_range(CHUNK):
-                if c + j < n:
-                    # state c + j, taken out exactly (a max over one value and -infs; a NaN state
-                    # would not survive it: the kit's equalities are for finite inputs)
-                    pick = idx == j
-                    m_j = tl.max(tl.where(pick, m_c, float("-inf")), 0)
-                    l_j = tl.max(tl.where(pick, l_c, float("-inf")), 0)
-                    acc_j = tl.max(tl.where(pick[:, None], acc_c, float("-inf")), 0)
-                    m, l, acc = _fold(m, l, acc, m_j, l_j, acc_j, 0)
+                live = col + c + j < n  # states past the row's last leave it as it is (a select)
+                m_j = tl.load(ws_ml_ptr + (w + c + j) * 2 + col, mask=live, other=float("-inf"))
+                l_j = tl.load(ws_ml_ptr + (w + c + j) * 2 + 1 + col, mask=live, other=0.0)
+                acc_j = tl.load(ws_acc_ptr + (w + c + j) * D_PAD + d, mask=live, other=0.0)
+                m_f, l_f, acc_f = _fold(m, l, acc, m_j, l_j, acc_j, 0)
+                m = tl.where(live, m_f, m)
+                l = tl.where(live, l_f, l)
+                acc = tl.where(live, acc_f, acc)
         o = acc / l
     tl.store(out_ptr + tok.to(tl.int64) * s_ot + h * s_oh + d, from_f32(o, out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
@@ -870,6 +884,12 @@ class AttnPlan:
     #: kernel folds them), and each token's rank among them (0 for serial tokens: unused)
     merge_tok: torch.Tensor | None = None
     tok_ws: torch.Tensor | None = None
+    #: per query tile: its valid tokens and the position of its first token (the kernel's
+    #: prologue reads what it needs from the tile's own entries: no chain of dependent loads)
+    tile_rows: torch.Tensor | None = None
+    tile_pos: torch.Tensor | None = None
+    dec_tile_rows: torch.Tensor | None = None
+    dec_tile_pos: torch.Tensor | None = None
 
 
 def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: str = "invariant",
@@ -887,8 +907,8 @@ def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: 
         size_at = lambda s, pos: split_size_at(pos, cfg)  # noqa: E731
     else:
         size_at = lambda s, pos: split[s]  # noqa: E731
-    tiles = ([], [], [])  # multi-token tiles: sequence, first token, split size
-    dec = ([], [], [])  # one-token (decode) tiles
+    tiles = ([], [], [], [], [])  # multi-token tiles: sequence, first token, split size, tokens, first position
+    dec = ([], [], [], [], [])  # one-token (decode) tiles
     tok_pos, tok_split = [], []
     for s in range(len(seq_lens)):
         a, b = query_start_loc[s], query_start_loc[s + 1]
@@ -898,9 +918,12 @@ def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: 
         else:
             starts, group = range(a, b, q_tile), tiles
         for t0 in starts:
+            rows = min(t0 + q_tile, b) - t0
             group[0].append(s)
             group[1].append(t0)
-            group[2].append(size_at(s, first + min(t0 + q_tile, b) - 1 - a))  # its last row's position
+            group[2].append(size_at(s, first + t0 - a + rows - 1))  # its last row's position
+            group[3].append(rows)
+            group[4].append(first + t0 - a)
         for pos in range(first, seq_lens[s]):
             tok_pos.append(pos)
             tok_split.append(size_at(s, pos))
@@ -921,13 +944,30 @@ def make_plan(q, kv_heads: int, seq_lens: list, query_start_loc: list, *, impl: 
     i32 = dict(dtype=torch.int32, device=q.device)
     d_pad = max(16, triton.next_power_of_2(d))
     ws_rows = max(1, len(merge_tok) * hq * max_splits)
-    return AttnPlan(cfg, q_tile, qpk_pad, max_splits, split,
-                    *(torch.tensor(x, **i32) for x in tiles), torch.tensor(tok_pos, **i32),
+    ts, ds = [torch.tensor(x, **i32) for x in tiles], [torch.tensor(x, **i32) for x in dec]
+    return AttnPlan(cfg, q_tile, qpk_pad, max_splits, split, *ts[:3], torch.tensor(tok_pos, **i32),
                     torch.tensor(tok_split, **i32),
                     torch.empty((ws_rows, d_pad), dtype=torch.float32, device=q.device),
                     torch.empty((ws_rows, 2), dtype=torch.float32, device=q.device),
-                    dec_q_tile, *(torch.tensor(x, **i32) for x in dec), serial[0], serial[1],
-                    torch.tensor(merge_tok, **i32), torch.tensor(tok_ws, **i32))
+                    dec_q_tile, *ds[:3], serial[0], serial[1],
+                    torch.tensor(merge_tok, **i32), torch.tensor(tok_ws, **i32),
+                    tile_rows=ts[3], tile_pos=ts[4], dec_tile_rows=ds[3], dec_tile_pos=ds[4])
+
+
+_PDL: dict = {}
+
+
+def _pdl(device) -> bool:
+    """Programmatic dependent launch for the merge kernel: compiled Triton on Hopper or newer
+    (``griddepcontrol`` is sm_90+).  The merge launch may then start while the split kernel
+    runs and waits (``gdc_wait``) before it reads the states: the same operations, only the
+    launch latency moves."""
+    if INTERPRET or device.type != "cuda":
+        return False
+    idx = torch.cuda.current_device() if device.index is None else device.index
+    if idx not in _PDL:
+        _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL[idx]
 
 
 def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out, *,
@@ -935,7 +975,8 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
     """The kernel launches of :func:`attention` for a prepared plan: the split kernel over the
     multi-token tiles and over the decode tiles (each launched when it has tiles), then the
     merge (no validation, no host synchronisation: the benchmark times this, and it can be
-    captured in a CUDA graph).  ``merge=False`` leaves the merge out (the output of parallel
+    captured in a CUDA graph; ``seq_lens`` / ``query_start_loc`` are not read: the plan carries
+    what the kernels need).  ``merge=False`` leaves the merge out (the output of parallel
     launches is then unfinished): the benchmark times the split kernels alone with it."""
     cfg = plan.config
     T, hq, d = q.shape
@@ -947,25 +988,28 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
     if plan.dec_serial:
         dec_warps = dec_warps if cfg.serial_decode_warps is None else cfg.serial_decode_warps
         dec_stages = dec_stages if cfg.serial_decode_stages is None else cfg.serial_decode_stages
-    for tile_seq, tile_tok, tile_split, q_tile, warps, stages, serial in (
-            (plan.tile_seq, plan.tile_tok, plan.tile_split, plan.q_tile, cfg.num_warps, cfg.num_stages, plan.serial),
-            (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_tile_split, plan.dec_q_tile, dec_warps, dec_stages,
-             plan.dec_serial)):
+    merging = merge and plan.merge_tok.shape[0] > 0
+    pdl = merging and _pdl(q.device)
+    for tile_seq, tile_tok, tile_rows, tile_pos, tile_split, q_tile, warps, stages, serial in (
+            (plan.tile_seq, plan.tile_tok, plan.tile_rows, plan.tile_pos, plan.tile_split, plan.q_tile, cfg.num_warps,
+             cfg.num_stages, plan.serial),
+            (plan.dec_tile_seq, plan.dec_tile_tok, plan.dec_tile_rows, plan.dec_tile_pos, plan.dec_tile_split,
+             plan.dec_q_tile, dec_warps, dec_stages, plan.dec_serial)):
         if tile_seq.shape[0] == 0:
             continue
         _attn_split_kernel[(tile_seq.shape[0], hkv, 1 if serial else plan.max_splits)](
-            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, tile_seq, tile_tok, tile_split,
-            plan.tok_ws, plan.ws_acc, plan.ws_ml, out, scale, plan.max_splits, hq,
+            q, k_cache, v_cache, block_table, tile_seq, tile_tok, tile_rows, tile_pos, tile_split, plan.tok_ws, plan.ws_acc, plan.ws_ml, out, scale, plan.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
-            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), SERIAL=serial, UPCAST=INTERPRET,
+            D_PAD=d_pad, ROW_SUM=ROW_SUMS.index(cfg.row_sum), SERIAL=serial, PDL=pdl, UPCAST=INTERPRET,
             num_warps=warps, num_stages=stages)
-    if merge and plan.merge_tok.shape[0]:
-        _attn_merge_kernel[(plan.merge_tok.shape[0], hq)](
+    if merging:
+        d_blk = d_pad if cfg.tree_merge else min(d_pad, MERGE_COLUMNS)
+        _attn_merge_kernel[(plan.merge_tok.shape[0], hq, d_pad // d_blk)](
             plan.ws_acc, plan.ws_ml, out, plan.merge_tok, plan.tok_pos, plan.tok_split, plan.max_splits, hq,
-            out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, TREE=cfg.tree_merge, CHUNK=MERGE_CHUNK,
-            num_warps=2 if cfg.tree_merge else 1)
+            out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, D_BLK=d_blk, TREE=cfg.tree_merge,
+            CHUNK=MERGE_CHUNK, PDL=pdl, num_warps=2 if cfg.tree_merge else 1, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

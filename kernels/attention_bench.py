@@ -198,13 +198,18 @@ def _time(fn, per=None):
 
 
 def _fa3():
-    """vLLM's FlashAttention-3 varlen function where vLLM is staged (``None`` otherwise)."""
+    """vLLM's FlashAttention-3 varlen function where vLLM is staged (``None`` otherwise).
+    Importing vLLM switches torch's cuDNN SDPA backend off (``vllm/platforms/cuda.py``); the
+    peer SDPA is timed with torch's own defaults, so the switch is undone here."""
+    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: PLC0415
         from vllm.vllm_flash_attn.flash_attn_interface import FA3_AVAILABLE  # noqa: PLC0415
     except Exception as e:  # vLLM not staged on this machine
         print(f"  (FlashAttention-3 not available: {e!r:.120})", flush=True)
         return None
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
     return flash_attn_varlen_func if FA3_AVAILABLE else None
 
 
@@ -218,6 +223,7 @@ def bench(quick: bool) -> tuple:
     bf16."""
     F = torch.nn.functional
     cfg = A.default_config()
+    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()  # torch's default, before vLLM is imported
     fa3 = _fa3()
     dtype = torch.bfloat16
     rows, checks = [], []
@@ -257,10 +263,11 @@ def bench(quick: bool) -> tuple:
             ks = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[0] for i in range(B)]).transpose(1, 2).contiguous()
             vs = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[1] for i in range(B)]).transpose(1, 2).contiguous()
             q4 = q.unsqueeze(2)
+            torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
             t, g = _time(lambda: F.scaled_dot_product_attention(q4, ks, vs, scale=scale, enable_gqa=True), per)
             cell["sdpa"] = t["median_us"]
             rows.append({"op": "attention_decode", "impl": "sdpa-gathered", "dtype": "bfloat16", "batch": B,
-                         "context": L, "invariant": False, **t, "cuda_graph": g})
+                         "context": L, "invariant": False, "cudnn_sdp_enabled": cudnn_sdp, **t, "cuda_graph": g})
             del ks, vs
             if fa3 is not None:
                 for name, ns in (("fa3-auto-splits", 0), ("fa3-num_splits1", 1)):
@@ -305,6 +312,7 @@ def bench(quick: bool) -> tuple:
         rows.append({"op": "attention_prefill", "impl": "kit-invariant", "dtype": "bfloat16", "tokens": n,
                      **t_inv, "cuda_graph": g})
         q4, k4, v4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
         t_sd, g = _time(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
                                                                enable_gqa=True))
         rows.append({"op": "attention_prefill", "impl": "sdpa", "dtype": "bfloat16", "tokens": n, **t_sd,
