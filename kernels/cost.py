@@ -66,9 +66,12 @@ def _timed(rows, key):
 
 
 def _split(cell: dict):
-    """(invariant rows, non-invariant peer rows) of one cell."""
-    inv = {k: r for k, r in cell.items() if is_invariant(k)}
-    peers = {k: r for k, r in cell.items() if not is_invariant(k) and k not in NOT_PEERS}
+    """(invariant rows, non-invariant peer rows) of one cell.  A row's own ``invariant`` flag,
+    where the benchmark writes one, wins over its name (``fa3-num_splits1``, FlashAttention-3
+    with one split, is invariant; it is neither the kit's nor a peer)."""
+    flag = {k: r.get("invariant", is_invariant(k)) for k, r in cell.items()}
+    inv = {k: r for k, r in cell.items() if flag[k] and is_invariant(k)}
+    peers = {k: r for k, r in cell.items() if not flag[k] and k not in NOT_PEERS}
     return inv, peers
 
 

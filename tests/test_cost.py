@@ -119,3 +119,19 @@ def test_matmul_uses_the_table_pick(tmp_path):
     assert r["invariant"] == "kit-invariant:" + pick and r["peer"] == "cublas"
     assert r["speed_ratio"] == pytest.approx(0.5)
     assert cost.goal_value(r, "kit-variant-splitk") == pytest.approx(0.8)
+
+
+def test_a_row_flagged_invariant_is_never_a_peer(tmp_path):
+    """FlashAttention-3 with one split is invariant (the bench flags it): it is not the peer even
+    when it is the fastest, and it is not reported as the kit's kernel either."""
+    d = tmp_path / "dev"
+
+    def dec(impl, us, invariant):
+        return {"op": "attention_decode", "impl": impl, "batch": 1, "context": 1024, "median_us": us,
+                "invariant": invariant}
+
+    _write(d, "attention_bench", [dec("kit-invariant", 10.0, True), dec("fa3-num_splits1", 5.0, True),
+                                  dec("fa3-auto-splits", 8.0, False), dec("sdpa-gathered", 9.0, False)])
+    (r,) = [r for r in cost.summary("dev", root=tmp_path) if r["family"] == "attention decode"]
+    assert r["invariant"] == "kit-invariant" and r["peer"] == "fa3-auto-splits"
+    assert "fa3-num_splits1" not in r["peers"] and r["speed_ratio"] == pytest.approx(0.8)
