@@ -415,6 +415,9 @@ MERGE_CHUNK = 16
 #: columns of the output per program of the left-fold merge (one warp: a column per lane);
 #: the fold is column-wise, so this moves work between programs, never the arithmetic
 MERGE_COLUMNS = 32
+#: states per step of the left-fold merge (unrolled: their loads are in flight together); a
+#: load schedule, never the arithmetic (the tree merge's chunk is :data:`MERGE_CHUNK`)
+FOLD_CHUNK = 16
 
 # --------------------------------------------------------------------------------------------
 # The kernels: partial states per split, then the fixed-order merge
@@ -1011,7 +1014,7 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
         _attn_merge_kernel[(plan.merge_tok.shape[0], hq, d_pad // d_blk)](
             plan.ws_acc, plan.ws_ml, out, plan.merge_tok, plan.tok_pos, plan.tok_split, plan.max_splits, hq,
             out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, D_BLK=d_blk, TREE=cfg.tree_merge,
-            CHUNK=MERGE_CHUNK, PDL=pdl, num_warps=2 if cfg.tree_merge else 1, **({"launch_pdl": True} if pdl else {}))
+            CHUNK=MERGE_CHUNK if cfg.tree_merge else FOLD_CHUNK, PDL=pdl, num_warps=2 if cfg.tree_merge else 1, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
