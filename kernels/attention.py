@@ -81,10 +81,14 @@ over its splits (exact in any order), then ``l = sum_i l_i e^(m_i - M)`` and ``a
 chunk by chunk of 16 splits (:data:`MERGE_CHUNK`, a constant): a fixed pairwise tree inside a
 chunk, chunks added in order.  It loads splits in parallel, but it needs every split's state
 before the first addition, so no program can merge while it streams: it rules out the serial
-launch.  Session 4 made the left fold the default: the merge kernel loads 16 states at a
-time and folds them in registers, and the serial launch folds as it streams.  Measured on the
-H200 (``results/h200/attention_decode_tiles.json``): graded splits cut batch-1 decode at 1k
-context from 18 to 8 us; serial launches keep batch 64 close to one split per row.
+launch.  Session 4 made the left fold the default, and the serial launch folds as it streams.
+Session 5 made the merge kernel fold *column-wise*: each output column carries its own copy of
+``m`` and ``l`` (the same operations on the same values: the same bits in every column), so a
+thread folds its own columns with no data from other threads, 32 columns per one-warp program
+(:data:`MERGE_COLUMNS`), states loaded :data:`FOLD_CHUNK` at a time; on Hopper it is launched
+with programmatic dependent launch and waits (``griddepcontrol.wait``) before it reads a state.
+Measured on the H200 (``results/h200/attention_bench.json``, ``session5_schedules/``): batch-1
+decode at 1k context 18 us (session 3), 8 us (session 4), 6 us (session 5).
 
 Chunk alignment rule (enforced)
 -------------------------------
@@ -117,10 +121,13 @@ at ``block_n - 3`` gave the same bits, so the rule is a guarantee, not a measure
   (the peer; one call per sequence, in q's dtype).
 
 Caveat: bitwise prefill == decode holds for finite inputs; a signed zero can differ in the
-degenerate case where every probability of a diagonal tile underflows to 0 (masked keys beyond
-``p`` read the real cache in prefill and zeros in decode, and ``0 * -v = -0``).
+degenerate case where every probability of a diagonal tile underflows to 0 (in prefill, keys
+beyond a row's position up to its tile's last row read the real cache, in decode zeros, and
+``0 * -v = -0``).
 
-No TMA or newer Triton API: plain pointer loads, ``tl.dot`` with ``input_precision``.
+No TMA: plain pointer loads, ``tl.dot`` with ``input_precision``; on Hopper the merge launch uses
+``triton.language.extra.cuda``'s grid dependency control (present in Triton 3.6, the H200's, and
+in the newer Triton of the CPU runs, where the interpreter never takes that branch).
 """
 from __future__ import annotations
 

@@ -368,6 +368,21 @@ def test_serial_and_parallel_launches_give_the_same_bits():
         A.AttnConfig(serial_programs=0)
 
 
+def test_merge_load_schedule_gives_the_same_bits(monkeypatch):
+    """The merge kernel folds column by column: the columns per program (``MERGE_COLUMNS``) and
+    the states per unrolled step (``FOLD_CHUNK``) move work and loads, never the arithmetic.
+    A mixed launch (decode rows over 1..7 splits, a prefill chunk) run per split gives the bits
+    of the serial launch (no merge kernel) with several column blocks and several steps."""
+    c = Cache(torch.bfloat16, seed=6)
+    steps = _mixed_steps(c, 9, torch.bfloat16)
+    serial = torch.cat(c.run(steps, config=dataclasses.replace(CFG, serial_programs=1)))
+    par = dataclasses.replace(CFG, serial_programs=None)
+    for cols, chunk in ((A.MERGE_COLUMNS, A.FOLD_CHUNK), (8, 2), (16, 4), (32, 1)):
+        monkeypatch.setattr(A, "MERGE_COLUMNS", cols)
+        monkeypatch.setattr(A, "FOLD_CHUNK", chunk)
+        assert bitwise_equal(torch.cat(c.run(steps, config=par)), serial), (cols, chunk)
+
+
 def test_graded_splits_keep_a_and_d():
     """``split_target``: a row's split size grows with its own position (32, 64, then 128 keys
     here), never with the batch.  (d) prefill == decode at every bucket edge, (a) rows alone ==
