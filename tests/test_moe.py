@@ -43,7 +43,7 @@ def _hot_direction(h):
 
 def _maker(kind, dtype, h=H):
     base = row_maker(h, dtype=torch.float64)
-    shift = 2.0 * _hot_direction(h)
+    shift = (2.0 * _hot_direction(h)).to(DEV)  # on the device of the rows (CPU or GPU)
     dup = base(3, 7)  # three distinct rows, repeated: one expert pair takes the whole batch
 
     def make(bs, seed=0):
