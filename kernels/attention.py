@@ -45,8 +45,8 @@ in the same way, whichever launch it is part of:
 Who computes what is a launch decision that never changes the bits.  A launch with fewer
 than ``serial_programs`` (query tile, kv head) programs (small batches: few rows, long
 contexts) runs one program per split, writes the fp32 states to a workspace, and a second
-kernel (one program per token and q head) folds them; a larger launch (batch 64 decode,
-prefill) runs *serially*: one program per (query tile, kv head) builds each split's state in
+kernel (one program per token, q head and block of output columns) folds them; a larger
+launch (batch 64 decode, prefill) runs *serially*: one program per (query tile, kv head) builds each split's state in
 turn inside one loop over the row's tiles and folds it into the running state as soon as the
 split closes, then writes the output (no workspace, no second launch).  The serial program
 performs exactly the operations of the split programs plus the merge kernel, in the same
