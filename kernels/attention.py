@@ -48,9 +48,9 @@ contexts) runs one program per split, writes the fp32 states to a workspace, and
 kernel (one program per token, q head and block of output columns) folds them; a larger
 launch (batch 64 decode, prefill) runs *serially*: one program per (query tile, kv head)
 builds each split's state in turn inside one loop over the row's tiles and folds it into the
-running state as soon as the split closes, then writes the output (no workspace, no second launch).  The serial program
-performs exactly the operations of the split programs plus the merge kernel, in the same
-order, so ``(a)``-``(d)`` hold across modes; the H200 runs check it bitwise (``attention_
+running state as soon as the split closes, then writes the output (no workspace, no second
+launch).  The serial program performs exactly the operations of the split programs plus the
+merge kernel, in the same order, so ``(a)``-``(d)`` hold across modes; the H200 runs check it bitwise (``attention_
 decode_tiles``: serial == one program per split, prefill and decode of 8229 positions).
 
 A program's query tile holds ``q_tile`` consecutive tokens of one sequence times the q heads
