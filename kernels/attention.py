@@ -1010,7 +1010,8 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
         if tile_seq.shape[0] == 0:
             continue
         _attn_split_kernel[(tile_seq.shape[0], hkv, 1 if serial else plan.max_splits)](
-            q, k_cache, v_cache, block_table, tile_seq, tile_tok, tile_rows, tile_pos, tile_split, plan.tok_ws, plan.ws_acc, plan.ws_ml, out, scale, plan.max_splits, hq,
+            q, k_cache, v_cache, block_table, tile_seq, tile_tok, tile_rows, tile_pos, tile_split, plan.tok_ws,
+            plan.ws_acc, plan.ws_ml, out, scale, plan.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=q_tile, BLOCK_N=cfg.block_n, CACHE_BLOCK=bs, HEAD_DIM=d,
@@ -1021,7 +1022,8 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, seq_lens, query_sta
         _attn_merge_kernel[(plan.merge_tok.shape[0], hq, d_pad // d_blk)](
             plan.ws_acc, plan.ws_ml, out, plan.merge_tok, plan.tok_pos, plan.tok_split, plan.max_splits, hq,
             out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, D_BLK=d_blk, TREE=cfg.tree_merge,
-            CHUNK=MERGE_CHUNK if cfg.tree_merge else FOLD_CHUNK, PDL=pdl, num_warps=2 if cfg.tree_merge else 1, **({"launch_pdl": True} if pdl else {}))
+            CHUNK=MERGE_CHUNK if cfg.tree_merge else FOLD_CHUNK, PDL=pdl, num_warps=2 if cfg.tree_merge else 1,
+            **({"launch_pdl": True} if pdl else {}))
     return out
 
 
