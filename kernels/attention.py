@@ -690,10 +690,10 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_pt
     n = pos // tl.load(tok_split_ptr + tok) + 1  # the splits a row has: ceil((pos + 1) / split)
     d = tl.program_id(2) * D_BLK + tl.arange(0, D_BLK)
     w = (rank.to(tl.int64) * q_heads + h) * max_splits
-    idx = tl.arange(0, CHUNK)
     if PDL:  # launched early (programmatic dependent launch): wait for the split kernel's states
         gdc_wait()
     if TREE:
+        idx = tl.arange(0, CHUNK)
         # the row max over its n splits (max is exact in any order), then
         # l = sum_i l_i e^(m_i - M), acc likewise, chunk by chunk of CHUNK splits; inside a chunk a
         # fixed pairwise tree, chunks added in order: the order depends on n only

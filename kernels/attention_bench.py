@@ -192,6 +192,26 @@ def decode_tiles(quick: bool, configs=None) -> tuple:
     return rows, checks
 
 
+def _decode_cell(B: int, L: int, dtype):
+    """One decode cell of the benchmarks: B sequences of L keys (random K/V in a shuffled paged
+    cache) and one query token each: ``(cache, q, block_table, seq_lens, query_start_loc)``."""
+    gen = torch.Generator(device="cuda").manual_seed(B * 100003 + L)
+    c = _Paged(B * L, dtype, seed=B)
+    for i in range(B):
+        c.write(i, torch.randn((L, HKV, D), generator=gen, device="cuda").to(dtype),
+                torch.randn((L, HKV, D), generator=gen, device="cuda").to(dtype), 0)
+    q = torch.randn((B, HQ, D), generator=gen, device="cuda").to(dtype)
+    _, bt, lens, qsl = c.args([(i, q[i:i + 1], L) for i in range(B)])
+    return c, q, bt, lens, qsl
+
+
+def _gathered(c, bt, B, L):
+    """The cell's keys and values gathered contiguous, ``(B, kv_heads, L, D)`` each (SDPA's input)."""
+    ks = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[0] for i in range(B)]).transpose(1, 2).contiguous()
+    vs = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[1] for i in range(B)]).transpose(1, 2).contiguous()
+    return ks, vs
+
+
 def _time(fn, per=None):
     """``per``: calls per CUDA graph, to time a peer exactly like the kit kernel of its cell."""
     return median_us_graph_or_plain(fn, warmup=5, reps=50, calls_per_graph=per)
@@ -199,17 +219,14 @@ def _time(fn, per=None):
 
 def _fa3():
     """vLLM's FlashAttention-3 varlen function where vLLM is staged (``None`` otherwise).
-    Importing vLLM switches torch's cuDNN SDPA backend off (``vllm/platforms/cuda.py``); the
-    peer SDPA is timed with torch's own defaults, so the switch is undone here."""
-    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
+    Importing vLLM switches torch's cuDNN SDPA backend off (``vllm/platforms/cuda.py``):
+    :func:`bench` records torch's default first and restores it before every SDPA timing."""
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: PLC0415
         from vllm.vllm_flash_attn.flash_attn_interface import FA3_AVAILABLE  # noqa: PLC0415
     except Exception as e:  # vLLM not staged on this machine
         print(f"  (FlashAttention-3 not available: {e!r:.120})", flush=True)
         return None
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
     return flash_attn_varlen_func if FA3_AVAILABLE else None
 
 
@@ -232,13 +249,7 @@ def bench(quick: bool) -> tuple:
     row0 = {}  # (impl, B, L) -> row 0 alone == row 0 in the batch
     for L in ctxs:
         for B in batches:
-            gen = torch.Generator(device="cuda").manual_seed(B * 100003 + L)
-            c = _Paged(B * L, dtype, seed=B)
-            for i in range(B):
-                c.write(i, torch.randn((L, HKV, D), generator=gen, device="cuda").to(dtype),
-                        torch.randn((L, HKV, D), generator=gen, device="cuda").to(dtype), 0)
-            q = torch.randn((B, HQ, D), generator=gen, device="cuda").to(dtype)
-            _, bt, lens, qsl = c.args([(i, q[i:i + 1], L) for i in range(B)])
+            c, q, bt, lens, qsl = _decode_cell(B, L, dtype)
             out = torch.empty_like(q)
             scale = D ** -0.5
             cell, per, first = {}, None, len(rows)
@@ -260,8 +271,7 @@ def bench(quick: bool) -> tuple:
                 rows.append({"op": "attention_decode", "impl": f"kit-{impl}", "dtype": "bfloat16", "batch": B,
                              "context": L, "splits": -(-L // plan.split[0]), "invariant": impl == "invariant",
                              **extra, **t, "cuda_graph": g})
-            ks = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[0] for i in range(B)]).transpose(1, 2).contiguous()
-            vs = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[1] for i in range(B)]).transpose(1, 2).contiguous()
+            ks, vs = _gathered(c, bt, B, L)
             q4 = q.unsqueeze(2)
             torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
             t, g = _time(lambda: F.scaled_dot_product_attention(q4, ks, vs, scale=scale, enable_gqa=True), per)
@@ -367,16 +377,9 @@ def tune(quick: bool, configs=None, prefill: bool = True) -> tuple:
     configs = [A.AttnConfig(*c) for c in TUNE_CONFIGS] if configs is None else configs
     rows = []
     for B, L in cells:
-        gen = torch.Generator(device="cuda").manual_seed(B * 100003 + L)
-        c = _Paged(B * L, dtype, seed=B)
-        for i in range(B):
-            c.write(i, torch.randn((L, HKV, D), generator=gen, device="cuda").to(dtype),
-                    torch.randn((L, HKV, D), generator=gen, device="cuda").to(dtype), 0)
-        q = torch.randn((B, HQ, D), generator=gen, device="cuda").to(dtype)
-        _, bt, lens, qsl = c.args([(i, q[i:i + 1], L) for i in range(B)])
+        c, q, bt, lens, qsl = _decode_cell(B, L, dtype)
         out = torch.empty_like(q)
-        ks = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[0] for i in range(B)]).transpose(1, 2).contiguous()
-        vs = torch.stack([A.gather_kv(c.k, c.v, bt, i, L)[1] for i in range(B)]).transpose(1, 2).contiguous()
+        ks, vs = _gathered(c, bt, B, L)
         t, _ = _time(lambda: F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, scale=scale, enable_gqa=True))
         sd = t["median_us"]
         rows.append({"op": "attention_decode", "impl": "sdpa-gathered", "batch": B, "context": L, **t})

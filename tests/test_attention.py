@@ -24,6 +24,8 @@ BN, SPLIT = CFG.block_n, CFG.split_size
 HQ, HKV, D, BS = 4, 2, 32, 16
 #: context lengths of the rows of a decode batch: across 1, a tile, a split, several splits
 LENS = [3 * SPLIT + 44, 1, 3 * SPLIT + 1, 2 * SPLIT, BN - 1, 4 * SPLIT - 7, BN + 1, 2 * SPLIT + 9]
+#: the tests' paged caches grow with the config's split size (the GPU config's contexts are longer)
+CACHE_SCALE = max(1, SPLIT // 64)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
@@ -44,7 +46,7 @@ def _seq(seed, r, n, dtype):
 class Cache:
     """A paged cache with shuffled blocks, and helpers to run steps of sequences on it."""
 
-    def __init__(self, dtype, num_blocks=256 * max(1, SPLIT // 64), seed=0):  # room for LENS at either config
+    def __init__(self, dtype, num_blocks=256 * CACHE_SCALE, seed=0):
         self.k, self.v = A.new_cache(num_blocks, BS, HKV, D, dtype)
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables = {}
@@ -436,7 +438,7 @@ def test_accuracy_vs_float64_and_sdpa(dtype):
 @pytest.mark.parametrize("impl", ["invariant", "variant"])
 def test_guards_every_element_written_nothing_else(impl):
     dt = torch.bfloat16
-    nb = 64 * max(1, SPLIT // 64)  # room for the three sequences at either config
+    nb = 64 * CACHE_SCALE
     gk, gv = Guarded((nb, BS, HKV, D), dt, DEV), Guarded((nb, BS, HKV, D), dt, DEV)
     c = Cache(dt, num_blocks=nb, seed=9)
     c.k, c.v = gk.tensor, gv.tensor
