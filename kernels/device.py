@@ -16,8 +16,8 @@ HAS_CUDA: bool = torch.cuda.is_available()
 
 if "triton" in sys.modules and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError(
-        "triton was imported before kernels.device on a machine without CUDA: "
-        "import kernels (or kernels.device) first, or set TRITON_INTERPRET=1"
+        "triton was imported before batch_invariance_kit.device on a machine without CUDA: "
+        "import batch_invariance_kit first, or set TRITON_INTERPRET=1"
     )
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"

@@ -1,11 +1,11 @@
 """The validation command: every invariance check and benchmark of the kit on the present device.
 
-    python -m kernels.validate [--out DIR] [--quick] [--only PART,...]
+    python -m batch_invariance_kit.validate [--out DIR] [--quick] [--only PART,...]
 
-On a GPU it runs every part of :mod:`kernels.gpu_run` (the H200 results of the book were made by
+On a GPU it runs every part of :mod:`batch_invariance_kit.bench.parts` (the H200 results of the book were made by
 those parts); on a CPU it runs the checks that a CPU can run (Triton under the interpreter, the
 CUDA kernels through the reduction-order emulator).  It writes one JSON file per part (the
-``kernels.results`` shape, with provenance) and ``report.md`` beside them: what passed, what
+``batch_invariance_kit.report.results`` shape, with provenance) and ``report.md`` beside them: what passed, what
 failed, and the device it ran on.  Exit status 1 when a required check failed or a part raised.
 """
 from __future__ import annotations
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-import kernels  # noqa: F401  (device selection first)
-from kernels import results
+import batch_invariance_kit  # noqa: F401  (device selection first)
+from .report import results
 
 
 def _cpu_parts() -> dict:
-    from . import rms_norm_family as fam
-    from .harness import check_invariance, row_maker, seeded_normal
-    from . import matmul as mm
+    from .ops import rms_norm_family as fam
+    from .verify.harness import check_invariance, row_maker, seeded_normal
+    from .ops import matmul as mm
 
     def rms_norm(quick):
         rows, checks = [], []
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated part names")
     args = ap.parse_args(argv)
     if torch.cuda.is_available():
-        from .gpu_run import PARTS
+        from .bench.parts import PARTS
         parts = dict(PARTS)
     else:
         parts = _cpu_parts()
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown part(s) {unknown}; known here: {list(parts)}")
     out = Path(args.out) if args.out else results.local_dir()
     out.mkdir(parents=True, exist_ok=True)
-    command = "python -m kernels.validate " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m batch_invariance_kit.validate " + " ".join(argv if argv is not None else sys.argv[1:])
     done, failed = [], False
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name} ...", flush=True)

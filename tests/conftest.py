@@ -1,4 +1,4 @@
-import kernels  # noqa: F401  (device selection before triton is imported)
+import batch_invariance_kit  # noqa: F401  (device selection before triton is imported)
 import pytest
 import torch
 

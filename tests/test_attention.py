@@ -13,12 +13,12 @@ import dataclasses
 import pytest
 import torch
 
-import kernels
-from kernels import attention as A
-from kernels.guard import Guarded
-from kernels.harness import bitwise_equal, check_invariance, seeded_normal
+import batch_invariance_kit
+from batch_invariance_kit.ops import attention as A
+from batch_invariance_kit.verify.guard import Guarded
+from batch_invariance_kit.verify.harness import bitwise_equal, check_invariance, seeded_normal
 
-DEV = kernels.DEVICE
+DEV = batch_invariance_kit.DEVICE
 CFG = A.default_config()
 BN, SPLIT = CFG.block_n, CFG.split_size
 HQ, HKV, D, BS = 4, 2, 32, 16
@@ -508,7 +508,7 @@ def test_split_plan_depends_on_the_batch_only_for_the_variant():
 
 
 def test_attention_bench_imports():
-    from kernels import attention_bench
+    from batch_invariance_kit.bench import attention as attention_bench
 
     assert callable(attention_bench.consistency) and callable(attention_bench.bench)
     # the stored schedule comparison includes the shipped default
@@ -517,7 +517,7 @@ def test_attention_bench_imports():
 
 @pytest.mark.gpu
 def test_gpu_consistency_quick():
-    from kernels import attention_bench
+    from batch_invariance_kit.bench import attention as attention_bench
 
     rows, results = attention_bench.consistency(quick=True)
     bad = [c["name"] for c in results if not c["passed"]]

@@ -1,9 +1,9 @@
-"""kernels.cost on small synthetic result files (no GPU, no stored results needed)."""
+"""batch_invariance_kit.report.cost on small synthetic result files (no GPU, no stored results needed)."""
 import json
 
 import pytest
 
-from kernels import cost, results
+from batch_invariance_kit.report import cost, results
 
 
 def _write(folder, name, rows, commit="abc1234"):
@@ -107,7 +107,7 @@ def test_vllm_engine_mismatch_is_flagged(tmp_path):
 
 
 def test_matmul_uses_the_table_pick(tmp_path):
-    from kernels import matmul as MM
+    from batch_invariance_kit.ops import matmul as MM
 
     pick = MM.select_config(1, 4096, 4096, compiled=True).name  # cost reads GPU results: the GPU rule
     other = next(c.name for c in MM.CONFIGS if c.name != pick)

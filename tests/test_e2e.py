@@ -1,4 +1,4 @@
-"""End to end: a tiny Qwen3-style model on the kit's kernels, served by :mod:`kernels.serve`.
+"""End to end: a tiny Qwen3-style model on the kit's kernels, served by :mod:`batch_invariance_kit.serving.engine`.
 
 Invariant kernels: a request's fp32 log-probability rows (and tokens) are the same bits alone
 and inside batches of several sizes, for N identical requests under a random load (exactly one
@@ -25,10 +25,10 @@ import time
 import pytest
 import torch
 
-import kernels
-from kernels import attention as A
-from kernels.model import Qwen3Config, Qwen3Model, param_names
-from kernels.serve import Engine, Request, completion_key, load_experiment
+import batch_invariance_kit
+from batch_invariance_kit.ops import attention as A
+from batch_invariance_kit.serving.model import Qwen3Config, Qwen3Model, param_names
+from batch_invariance_kit.serving.engine import Engine, Request, completion_key, load_experiment
 
 BN = A.default_config().block_n
 DENSE = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,

@@ -8,12 +8,12 @@ both BLOCK_K) so the file runs in well under a minute or two under the Triton in
 import pytest
 import torch
 
-import kernels
-from kernels import matmul as MM
-from kernels.guard import Guarded
-from kernels.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
+import batch_invariance_kit
+from batch_invariance_kit.ops import matmul as MM
+from batch_invariance_kit.verify.guard import Guarded
+from batch_invariance_kit.verify.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
 
-DEV = kernels.DEVICE
+DEV = batch_invariance_kit.DEVICE
 MS = [1, 2, 3, 17, 64, 65, 127, 128, 129, 300]
 N, K = 144, 160
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -11,12 +11,12 @@ so a different split or K step shows in the bits).
 import pytest
 import torch
 
-import kernels
-from kernels import moe
-from kernels.guard import Guarded
-from kernels.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
+import batch_invariance_kit
+from batch_invariance_kit.ops import moe
+from batch_invariance_kit.verify.guard import Guarded
+from batch_invariance_kit.verify.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
 
-DEV = kernels.DEVICE
+DEV = batch_invariance_kit.DEVICE
 E, TOPK, H, INTER = 8, 2, 64, 32
 SIZES = [1, 2, 7, 9, 17, 33, 65, 130, 260]
 

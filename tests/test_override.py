@@ -9,13 +9,13 @@ import warnings
 import pytest
 import torch
 
-import kernels
-from kernels import matmul as MM
-from kernels import override as O
-from kernels.guard import Guarded
-from kernels.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
+import batch_invariance_kit
+from batch_invariance_kit.ops import matmul as MM
+from batch_invariance_kit.ops import override as O
+from batch_invariance_kit.verify.guard import Guarded
+from batch_invariance_kit.verify.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
 
-DEV = kernels.DEVICE
+DEV = batch_invariance_kit.DEVICE
 BATCHES = [1, 3, 33, 65]
 
 

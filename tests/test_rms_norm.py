@@ -22,12 +22,12 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import rms_norm as R
-from kernels.guard import Guarded
-from kernels.harness import bits, check_invariance, row_maker, ulp_distance
+import batch_invariance_kit
+from batch_invariance_kit.ops import rms_norm as R
+from batch_invariance_kit.verify.guard import Guarded
+from batch_invariance_kit.verify.harness import bits, check_invariance, row_maker, ulp_distance
 
-DEV = kernels.DEVICE
+DEV = batch_invariance_kit.DEVICE
 OP_NAMES = list(R.OPS)
 SMALL, LARGE = 255, 300  # seed 002: 255 < 256 <= 300 crosses vLLM's block-size threshold
 H_MAIN = 1024
@@ -296,7 +296,7 @@ def test_invariant_long_rows_chunked_path(op):
             assert torch.equal(bits(a[0].cpu()), bits(out_l[i].cpu())), i
 
 
-@pytest.mark.skipif(not kernels.INTERPRET, reason="rows per program is 1 when compiled: nothing to vary")
+@pytest.mark.skipif(not batch_invariance_kit.INTERPRET, reason="rows per program is 1 when compiled: nothing to vary")
 def test_rows_per_program_does_not_change_bits(monkeypatch):
     """Under the interpreter a program handles a tile of rows; its size must not matter."""
     dtype = torch.float32

@@ -1,6 +1,6 @@
 """The CUDA C++ RMSNorm family (csrc/rms_norm.cuh) and its emulation twin.
 
-CPU: the ops run on the emulator (kernels/rms_norm_cuda.py), through the same launch policy
+CPU: the ops run on the emulator (kernels/ops/rms_norm_cuda.py), through the same launch policy
 as on the GPU.  Seed method (seed 002): batches of 255 and 300 tokens whose first 255 rows
 are identical; the invariant impl must give those rows the same bits in both batches, and
 the variant impl (block size 512/1024 below 256 tokens, 256 above) must not (negative
@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels  # noqa: F401  (device selection first)
-from kernels import emulator
-from kernels import rms_norm_cuda as R
-from kernels.guard import Guarded
-from kernels.harness import bits, check_invariance, compare, row_maker
+import batch_invariance_kit  # noqa: F401  (device selection first)
+from batch_invariance_kit.verify import emulator
+from batch_invariance_kit.ops import rms_norm_cuda as R
+from batch_invariance_kit.verify.guard import Guarded
+from batch_invariance_kit.verify.harness import bits, check_invariance, compare, row_maker
 
 HIDDEN = 4096
 DTYPE = torch.bfloat16

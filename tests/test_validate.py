@@ -3,7 +3,7 @@ import json
 
 import torch
 
-from kernels import validate
+from batch_invariance_kit import validate
 
 
 def test_validate_cpu_quick(tmp_path):
@@ -16,7 +16,7 @@ def test_validate_cpu_quick(tmp_path):
     assert rc == 0
     doc = json.loads((tmp_path / f"{name}.json").read_text())
     assert doc["checks"] and all(c["passed"] for c in doc["checks"])
-    assert "provenance" in doc and doc["provenance"]["command"].startswith("python -m kernels.validate")
+    assert "provenance" in doc and doc["provenance"]["command"].startswith("python -m batch_invariance_kit.validate")
     report = (tmp_path / "report.md").read_text()
     assert name in report and "checks passed" in report
 

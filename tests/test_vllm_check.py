@@ -1,4 +1,4 @@
-"""CPU tests of :mod:`kernels.vllm_check`: everything except vLLM itself.
+"""CPU tests of :mod:`batch_invariance_kit.vllm.check`: everything except vLLM itself.
 
 Arguments, prompt generation, the bitwise comparisons, the merge into rows/checks, the budget
 and skip logic of the driver (with a fake clock and a fake launcher that writes the part files
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import matmul as MM
-from kernels import moe as MOE
-from kernels import rms_norm as RN
-from kernels import vllm_check as V
+import batch_invariance_kit
+from batch_invariance_kit.ops import matmul as MM
+from batch_invariance_kit.ops import moe as MOE
+from batch_invariance_kit.ops import rms_norm as RN
+from batch_invariance_kit.vllm import check as V
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,10 +66,10 @@ def test_worker_env():
 
 
 def test_imports_without_vllm_and_help():
-    code = "import sys, kernels.vllm_check; assert 'vllm' not in sys.modules, 'vllm imported'"
+    code = "import sys, batch_invariance_kit.vllm.check; assert 'vllm' not in sys.modules, 'vllm imported'"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "kernels.vllm_check", "--help"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "batch_invariance_kit.vllm.check", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "--budget-s" in r.stdout and "--modes" in r.stdout
 

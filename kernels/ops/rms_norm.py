@@ -36,10 +36,10 @@ import math
 
 import torch
 
-from . import checks
-from .device import DEVICE, INTERPRET
+from .. import checks
+from ..device import DEVICE, INTERPRET
 
-import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
+import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
 from .tl_numerics import to_f32 as _to_f32  # noqa: E402

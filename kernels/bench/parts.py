@@ -1,6 +1,6 @@
 """Every GPU check and benchmark of the kit, in one command, with results stored as JSON.
 
-    python -m kernels.gpu_run [--out DIR] [--only NAME[,NAME...]] [--quick]
+    python -m batch_invariance_kit.bench.parts [--out DIR] [--only NAME[,NAME...]] [--quick]
 
 Writes ``<DIR>/<name>.json`` (default ``results/local``; the stored H200 results in
 ``results/h200`` were produced by this command, see each file's provenance).  Parts:
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-import kernels  # noqa: F401  (device selection first)
-from kernels import results
+import batch_invariance_kit  # noqa: F401  (device selection first)
+from ..report import results
 
 
 def part_mm_first_divergence(quick: bool) -> tuple:
-    from .divergence import DTYPES, default_batch_sizes, mm_first_divergence
+    from ..verify.divergence import DTYPES, default_batch_sizes, mm_first_divergence
 
     shapes = [(4096, 4096)] if quick else [(4096, 4096), (12288, 4096), (4096, 12288)]
     limit = 1024 if quick else 4096
@@ -43,7 +43,7 @@ def part_mm_first_divergence(quick: bool) -> tuple:
 
 
 def part_decoder_under_load(quick: bool) -> tuple:
-    from .toy_decoder import ToyDecoder
+    from ..serving.toy_decoder import ToyDecoder
 
     rows, checks = [], []
     configs = [dict(vocab=2048, hidden=512, layers=4, heads=8, ffn=1024),
@@ -87,7 +87,7 @@ def part_invariance_map(quick: bool, save=None) -> tuple:
     for label, env, flags in setups:
         e = dict(os.environ)
         e.update(env)
-        cmd = [sys.executable, "-m", "kernels.divergence", "--limit", "1024" if quick else "2048", *flags]
+        cmd = [sys.executable, "-m", "batch_invariance_kit.verify.divergence", "--limit", "1024" if quick else "2048", *flags]
         if quick:
             cmd.append("--quick")
         p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
@@ -110,7 +110,7 @@ def part_invariance_map(quick: bool, save=None) -> tuple:
 
 
 def part_matmul_sweep(quick: bool) -> tuple:
-    from .matmul import gpu_sweep
+    from ..ops.matmul import gpu_sweep
 
     if quick:  # two shapes, six Ms, plus the vocabulary projection at decode sizes
         rows, checks = gpu_sweep([(4096, 4096), (4096, 12288)], [1, 16, 64, 256, 1024, 4096], torch.bfloat16,
@@ -161,13 +161,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sweeps (a smoke test)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.gpu_run needs a CUDA GPU; none is present.", file=sys.stderr)
+        print("batch_invariance_kit.bench.parts needs a CUDA GPU; none is present.", file=sys.stderr)
         return 2
     names = list(PARTS) if not args.only else [n.strip() for n in args.only.split(",")]
     unknown = [n for n in names if n not in PARTS]
     if unknown:
         ap.error(f"unknown part(s) {unknown}; known: {list(PARTS)}")
-    command = "python -m kernels.gpu_run" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    command = "python -m batch_invariance_kit.bench.parts" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     failed = []
     for name in names:
         t = time.time()

@@ -1,6 +1,6 @@
 """Lazy JIT build of the kit's CUDA C++ extension (``csrc/``), on a GPU box only.
 
-``import kernels.cuda_ext`` never builds and never fails.  :func:`available` is ``False``
+``import batch_invariance_kit.ops.cuda_ext`` never builds and never fails.  :func:`available` is ``False``
 without CUDA (and when the build fails; :func:`load` then re-raises the build error).
 :func:`load` builds once per process with ``torch.utils.cpp_extension.load`` (ninja + nvcc),
 for the present GPU's architecture only, into ``<repo>/build/cuda_ext/<name>`` (ignored by
@@ -21,7 +21,7 @@ import torch
 
 __all__ = ["REPO", "CSRC", "SOURCES", "NVCC_FLAGS", "available", "load", "build_dir"]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
 SOURCES = (CSRC / "rms_norm.cu", CSRC / "rms_norm_binding.cpp")
 NVCC_FLAGS = ("-O3", "-fmad=false", "-prec-sqrt=true", "-prec-div=true", "-ftz=false")
@@ -56,7 +56,7 @@ def load():
         return _module
     if not torch.cuda.is_available():
         raise RuntimeError("the CUDA extension needs a CUDA device; on CPU use the emulator "
-                           "(kernels.rms_norm_cuda dispatches CPU tensors to it)")
+                           "(batch_invariance_kit.ops.rms_norm_cuda dispatches CPU tensors to it)")
     with _lock:
         if _module is not None:
             return _module

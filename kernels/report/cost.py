@@ -90,7 +90,7 @@ def _rms_norm(doc, out):
 def _matmul(doc, out):
     import torch
 
-    from . import matmul as MM  # the table the kit uses picks the invariant config per (M, N)
+    from ..ops import matmul as MM  # the table the kit uses picks the invariant config per (M, N)
 
     cells = _timed(doc["rows"], lambda r: (r["N"], r["K"], r["M"], r.get("dtype", "bfloat16")))
     for (n, k, m, dtype), cell in sorted(cells.items()):
@@ -200,7 +200,7 @@ def _folder(where: str, root) -> Path:
 
 def summary(where: str = "h200", root=None) -> list[dict]:
     """One row per (family, cell) of every stored benchmark in ``<root>/<where>/`` (``root``
-    defaults to ``kernels.results.RESULTS``).  Absent files are skipped; an unknown ``where``
+    defaults to ``batch_invariance_kit.report.results.RESULTS``).  Absent files are skipped; an unknown ``where``
     raises ``ValueError``.  See the module docstring for ``speed_ratio``."""
     root = _folder(where, root)
     out: list[dict] = []

@@ -1,9 +1,9 @@
 """One functional face for the RMSNorm family's two backends, used by chapter 3,
-``kernels.gpu_run`` and the benchmarks.
+``batch_invariance_kit.bench.parts`` and the benchmarks.
 
 ``functional(backend, op, impl)`` returns ``f(x, residual) -> tuple of output tensors``
-that never writes its inputs: ``backend="triton"`` runs :mod:`kernels.rms_norm` (compiled on
-a GPU, interpreted on a CPU); ``backend="cuda"`` runs :mod:`kernels.rms_norm_cuda` (the CUDA C++
+that never writes its inputs: ``backend="triton"`` runs :mod:`batch_invariance_kit.ops.rms_norm` (compiled on
+a GPU, interpreted on a CPU); ``backend="cuda"`` runs :mod:`batch_invariance_kit.ops.rms_norm_cuda` (the CUDA C++
 kernels on a GPU; on a CPU, the reduction-order emulator's prediction of their bits).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from . import rms_norm as tri
 from . import rms_norm_cuda as cu
-from .harness import bits, seeded_normal
+from ..verify.harness import bits, seeded_normal
 
 OPS = tuple(tri.OPS)
 BACKENDS = ("triton", "cuda")

@@ -57,10 +57,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import checks
-from .device import DEVICE, INTERPRET
+from .. import checks
+from ..device import DEVICE, INTERPRET
 
-import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
+import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
 __all__ = [
@@ -737,12 +737,12 @@ def gpu_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: bool =
         whether the split-K variant and cuBLAS rows differ (negative control / peer);
     (b) times the configs worth timing at that M (:func:`_worth_timing`, and always the
         table's pick), the variant and ``torch.mm`` (cuBLAS) with
-        :func:`kernels.bench.median_us` (``graph``: CUDA-graph replays, the same for all;
+        :func:`batch_invariance_kit.bench.timing.median_us` (``graph``: CUDA-graph replays, the same for all;
         ``rotate``: enough copies of the operands to exceed L2, so weights are read from HBM).
 
-    Returns ``(rows, checks)`` in the shape of :mod:`kernels.results`."""
-    from .bench import median_us_graph_or_plain, rotating_sets
-    from .harness import bitwise_equal
+    Returns ``(rows, checks)`` in the shape of :mod:`batch_invariance_kit.report.results`."""
+    from ..bench.timing import median_us_graph_or_plain, rotating_sets
+    from ..verify.harness import bitwise_equal
 
     if not torch.cuda.is_available():
         raise RuntimeError("gpu_sweep needs a CUDA GPU")

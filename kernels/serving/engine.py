@@ -1,4 +1,4 @@
-"""A tiny serving loop for :class:`kernels.model.Qwen3Model`: continuous batching, chunked
+"""A tiny serving loop for :class:`batch_invariance_kit.serving.model.Qwen3Model`: continuous batching, chunked
 prefill, a prefix cache, greedy and seeded sampling.
 
 One :meth:`Engine.run` takes a list of :class:`Request` (token-id prompts; each arrives at a
@@ -10,7 +10,7 @@ budget (``max_num_tokens``) and a sequence cap (``max_num_seqs``), like vLLM's s
   admitted requests (in arrival order);
 * chunked prefill (``chunk_size``, a multiple of the attention kernel's ``block_n``): a prompt
   is cut into chunks that all start at multiples of ``block_n`` (the kit attention's alignment
-  rule, see :mod:`kernels.attention`); a chunk is shortened to what the budget leaves, rounded
+  rule, see :mod:`batch_invariance_kit.ops.attention`); a chunk is shortened to what the budget leaves, rounded
   down to a multiple of ``block_n`` (or the whole rest when it fits).  ``chunk_size=None``: a
   prompt's rest is scheduled in one piece once the budget has room for it;
 * prefix cache (``prefix_cache=True``): every full KV block (``block_size`` tokens) is keyed by
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import attention as A
+from ..ops import attention as A
 from .model import Qwen3Model, StepBatch
 
 __all__ = ["Request", "Completion", "Engine", "generate", "completion_key", "load_experiment"]

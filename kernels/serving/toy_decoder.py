@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import positive_int
-from .harness import seeded_normal
+from ..checks import positive_int
+from ..verify.harness import seeded_normal
 
 
 @dataclass
@@ -35,7 +35,7 @@ class ToyDecoder:
         if hidden % heads:
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
         if device is None:
-            from .device import DEVICE as device
+            from ..device import DEVICE as device
         self.vocab, self.hidden, self.heads, self.dtype, self.device = vocab, hidden, heads, dtype, device
         counter = iter(range(seed * 1000, seed * 1000 + 1000))
 

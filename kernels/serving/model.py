@@ -5,19 +5,19 @@ Every reduction of a forward pass goes through a kit kernel, all of them given o
 
 * RMSNorm (``input_layernorm``, the per-head ``q_norm`` / ``k_norm``, the final ``norm``) and the
   fused residual add + RMSNorm (``post_attention_layernorm`` and the next layer's
-  ``input_layernorm``): :mod:`kernels.rms_norm`;
+  ``input_layernorm``): :mod:`batch_invariance_kit.ops.rms_norm`;
 * the projections (fused QKV, ``o_proj``, fused gate/up, ``down_proj``, ``lm_head``):
-  :func:`kernels.matmul.linear`;
+  :func:`batch_invariance_kit.ops.matmul.linear`;
 * causal GQA attention over a paged KV cache (prefill, decode and mixed varlen steps):
-  :mod:`kernels.attention`;
-* the MoE block (router + experts): :func:`kernels.moe.fused_moe`.
+  :mod:`batch_invariance_kit.ops.attention`;
+* the MoE block (router + experts): :func:`batch_invariance_kit.ops.moe.fused_moe`.
 
 What stays plain torch is row-local and has no reduction: the embedding lookup (a gather), RoPE
 (``cos``/``sin`` are read from a table computed once for every position, so no transcendental
 is evaluated per batch; then elementwise ``*`` and ``+``), SiLU-and-mul of the dense MLP, and the
 final ``log_softmax`` in fp32 over the vocabulary (one row at a time; vocab-sized rows).
 
-Weights are random, from a fixed seed, with :func:`kernels.harness.seeded_normal` (the same bits
+Weights are random, from a fixed seed, with :func:`batch_invariance_kit.verify.harness.seeded_normal` (the same bits
 on every machine), named like Hugging Face's Qwen3 / Qwen3-MoE checkpoints so that
 :meth:`Qwen3Model.save_pretrained` writes a folder (``model.safetensors`` + ``config.json``) that
 vLLM / transformers can load as ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``.
@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention as A
-from . import moe as MOE
-from . import rms_norm as RN
-from .device import DEVICE
-from .harness import seeded_normal
-from .matmul import linear
+from ..ops import attention as A
+from ..ops import moe as MOE
+from ..ops import rms_norm as RN
+from ..device import DEVICE
+from ..verify.harness import seeded_normal
+from ..ops.matmul import linear
 
 __all__ = ["IMPLS", "FAMILIES", "resolve_impl", "Qwen3Config", "StepBatch", "Qwen3Model", "param_names",
            "random_weights", "init_weight"]
@@ -169,7 +169,7 @@ def init_weight(name: str, shape: tuple, x: torch.Tensor) -> torch.Tensor:
 
 
 def random_weights(cfg: Qwen3Config) -> dict:
-    """CPU tensors in ``cfg.dtype``, HF names, drawn with :func:`kernels.harness.seeded_normal`
+    """CPU tensors in ``cfg.dtype``, HF names, drawn with :func:`batch_invariance_kit.verify.harness.seeded_normal`
     and scaled by :func:`init_weight`."""
     return {name: init_weight(name, shape, seeded_normal(shape, _seed_of(cfg.seed, name))).to(cfg.dtype)
             for name, shape in param_names(cfg)}

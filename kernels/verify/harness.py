@@ -332,7 +332,7 @@ def row_maker(row_shape: Sequence[int] | int, *, dtype: torch.dtype = torch.floa
     if any(s < 1 for s in row_shape):
         raise ValueError(f"row_shape must be positive, got {row_shape}")
     if device is None:
-        from .device import DEVICE as device
+        from ..device import DEVICE as device
     cache: dict = {}
 
     def one_row(seed: int, r: int) -> torch.Tensor:

@@ -1,12 +1,12 @@
 """Is vLLM itself batch invariant?  The kit's random-weight Qwen3 models served by vLLM 0.26.
 
-One command, one JSON file (``DIR/vllm_check.json``, the :mod:`kernels.results` shape:
+One command, one JSON file (``DIR/vllm_check.json``, the :mod:`batch_invariance_kit.report.results` shape:
 ``{"provenance", "rows", "checks"}`` plus ``"jobs"`` and ``"plan"``).  It needs a CUDA GPU with vLLM
 staged as in ``shared/device/vllm`` (that README's ``export`` line first, then)::
 
-    python -m kernels.vllm_check --out DIR            # everything, within --budget-s (480 s)
-    python -m kernels.vllm_check --out DIR --models dense --modes default,invariant --quick
-    python -m kernels.vllm_check --out DIR --dry-run  # print the plan; runs nothing
+    python -m batch_invariance_kit.vllm.check --out DIR            # everything, within --budget-s (480 s)
+    python -m batch_invariance_kit.vllm.check --out DIR --models dense --modes default,invariant --quick
+    python -m batch_invariance_kit.vllm.check --out DIR --dry-run  # print the plan; runs nothing
 
 Three modes, each in its own subprocess (vLLM's engine runs in that process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``VLLM_USE_FLASHINFER_SAMPLER=0`` always, flashinfer is not
@@ -17,9 +17,9 @@ staged):
 * ``kit``: ``VLLM_BATCH_INVARIANT=1`` *and* the kit's Triton kernels swapped in through vLLM's
   out-of-tree extension point ``CustomOp.register_oot``: every ``RMSNorm`` (plain and fused
   residual-add: input/post-attention norms, per-head q/k norms, the final norm) runs
-  :func:`kernels.rms_norm.rms_norm` / :func:`kernels.rms_norm.fused_add_rms_norm`, and the MoE
+  :func:`batch_invariance_kit.ops.rms_norm.rms_norm` / :func:`batch_invariance_kit.ops.rms_norm.fused_add_rms_norm`, and the MoE
   experts (routing from vLLM's router logits, dispatch, grouped GEMMs, combine) run
-  :mod:`kernels.moe`.  Attention stays vLLM's (see :data:`ATTENTION_NOT_SWAPPED`).  Kit mode runs
+  :mod:`batch_invariance_kit.ops.moe`.  Attention stays vLLM's (see :data:`ATTENTION_NOT_SWAPPED`).  Kit mode runs
   eagerly (``enforce_eager=True``: no torch.compile, no CUDA graphs) unless ``--kit-compiled``, so
   the call counters of the swapped kernels count every call.
 
@@ -79,7 +79,7 @@ ATTENTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
 ATTENTION_NOT_SWAPPED = (
     "not swapped: vLLM 0.26 allows it (register_backend(AttentionBackendEnum.CUSTOM, ...) in "
     "v1/attention/backends/registry.py, then attention_config={'backend': 'CUSTOM'}), but "
-    "kernels.attention plans its launches on the host (seq_lens as Python lists: a sync per "
+    "batch_invariance_kit.ops.attention plans its launches on the host (seq_lens as Python lists: a sync per "
     "layer) and enforces the chunk-alignment rule (a prefill chunk or prefix hit must start at a "
     "multiple of block_n = 64 keys), which vLLM's scheduler does not guarantee; not attempted here")
 
@@ -116,7 +116,7 @@ def _csv(name: str, value: str, allowed: tuple) -> list:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kernels.vllm_check", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m batch_invariance_kit.vllm.check", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="folder of vllm_check.json (and parts/, logs/)")
     p.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated subset of dense,moe")
@@ -273,7 +273,7 @@ def kit_ops() -> dict:
     global _KIT_OPS
     if _KIT_OPS is not None:
         return _KIT_OPS
-    from . import rms_norm as RN
+    from ..ops import rms_norm as RN
 
     @torch.library.custom_op("kit_vllm_check::rms_norm", mutates_args=())
     def kit_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -322,11 +322,11 @@ def kit_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, resi
 def kit_moe_from_logits(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         top_k: int, renormalize: bool) -> torch.Tensor:
     """The kit's MoE from given router logits (vLLM computes them with its gate linear):
-    :func:`kernels.moe.route` (softmax, top-k, renormalize), :func:`~kernels.moe.dispatch`,
-    :func:`~kernels.moe.grouped_gemm` (gate/up + SiLU-and-mul, then down), :func:`~kernels.moe.combine`
-    -- the steps of :func:`kernels.moe.fused_moe` after its gating matmul.  Layouts are vLLM's:
+    :func:`batch_invariance_kit.ops.moe.route` (softmax, top-k, renormalize), :func:`~batch_invariance_kit.ops.moe.dispatch`,
+    :func:`~batch_invariance_kit.ops.moe.grouped_gemm` (gate/up + SiLU-and-mul, then down), :func:`~batch_invariance_kit.ops.moe.combine`
+    -- the steps of :func:`batch_invariance_kit.ops.moe.fused_moe` after its gating matmul.  Layouts are vLLM's:
     ``w13`` ``(E, 2I, H)`` gate rows then up rows, ``w2`` ``(E, H, I)`` (the kit's own)."""
-    from . import moe as MOE
+    from ..ops import moe as MOE
 
     KIT_CALLS["moe"] += 1
     x = x.contiguous()
@@ -369,7 +369,7 @@ def install_kit_ops(swap_moe: bool = True) -> dict:
             return kit_rms_norm_forward(x, self.weight.data, self.variance_epsilon, residual)
 
     CustomOp.register_oot(KitRMSNorm, name="RMSNorm")
-    done["RMSNorm"] = "KitRMSNorm (kernels.rms_norm, impl='invariant')"
+    done["RMSNorm"] = "KitRMSNorm (batch_invariance_kit.ops.rms_norm, impl='invariant')"
 
     if swap_moe:
         from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -396,7 +396,7 @@ def install_kit_ops(swap_moe: bool = True) -> dict:
                                            int(layer.top_k), bool(layer.renormalize))
 
         CustomOp.register_oot(KitMoEMethod, name="UnquantizedFusedMoEMethod")
-        done["UnquantizedFusedMoEMethod"] = "KitMoEMethod (kernels.moe route/dispatch/grouped_gemm/combine)"
+        done["UnquantizedFusedMoEMethod"] = "KitMoEMethod (batch_invariance_kit.ops.moe route/dispatch/grouped_gemm/combine)"
     done["attention"] = ATTENTION_NOT_SWAPPED
     return done
 
@@ -605,7 +605,7 @@ def run_worker(a: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def run_build(a: argparse.Namespace) -> int:
-    from .e2e_bench import MODELS, build
+    from ..bench.e2e import MODELS, build
 
     for name in a.models:
         folder = os.path.join(a.model_dir, name)
@@ -742,16 +742,16 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
 
     ``launch(kind, cmd, env, timeout, log_path) -> dict`` (default :func:`run_subprocess`) and
     ``clock`` are parameters so that the budget logic can be tested without a GPU; ``save(rows,
-    checks, extra)`` writes the JSON (default :func:`kernels.results.save`) and is called after
+    checks, extra)`` writes the JSON (default :func:`batch_invariance_kit.report.results.save`) and is called after
     the build and after every job."""
     launch = launch or (lambda kind, cmd, env, timeout, log: run_subprocess(cmd, env, timeout, log))
     out = Path(a.out)
     if save is None:
-        from . import results
+        from ..report import results
 
         def save(rows, checks, extra):
             return results.save("vllm_check", rows, checks, folder=out, extra=extra,
-                                command="python -m kernels.vllm_check " + " ".join(sys.argv[1:]))
+                                command="python -m batch_invariance_kit.vllm.check " + " ".join(sys.argv[1:]))
 
     t_start = clock()
     deadline = t_start + a.budget_s
@@ -761,7 +761,7 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
                       "experiments": list(EXPERIMENTS), "batch_sizes": list(BATCH_SIZES),
                       "new_tokens": NEW_TOKENS, "kit_attention": ATTENTION_NOT_SWAPPED},
              "jobs": jobs}
-    me = [sys.executable, "-m", "kernels.vllm_check"]
+    me = [sys.executable, "-m", "batch_invariance_kit.vllm.check"]
     parts = []
 
     def write():

@@ -1,6 +1,6 @@
 """First-divergence searches of library ops (``torch.mm`` ...) on the present device.
 
-Used by chapter 1 (small, on whatever device is present) and by ``kernels.gpu_run``
+Used by chapter 1 (small, on whatever device is present) and by ``batch_invariance_kit.bench.parts``
 (the H200 table stored in ``results/h200``): for each dtype and (N, K), the smallest batch
 ``M`` at which some row of ``x @ W`` differs bitwise from the same row computed alone.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .device import DEVICE
+from ..device import DEVICE
 from .harness import first_divergence, row_maker, seeded_normal
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

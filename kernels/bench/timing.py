@@ -1,6 +1,6 @@
 """Benchmark utilities: median of many timed runs with CUDA events, and the copy ceiling.
 
-Speed is measured here and stored (``kernels.results``), never asserted in a test.
+Speed is measured here and stored (``batch_invariance_kit.report.results``), never asserted in a test.
 """
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """Override mode: make an *unmodified* torch model batch-invariant.
 
-    with kernels.override.batch_invariant():
+    with batch_invariance_kit.ops.override.batch_invariant():
         y = model(x)          # nn.Linear -> aten::addmm / mm, log_softmax, mean ... now invariant
 
 Inside the context, ``torch.library.Library("aten", "IMPL")`` routes five aten ops, for the
 dispatch key of the kit's device (``"CUDA"`` on a GPU, ``"CPU"`` here), to the kit's kernels:
 
 =====================  ===========================================================
-``aten::mm``           :func:`kernels.matmul.mm` (invariant)
-``aten::addmm``        :func:`kernels.matmul.addmm` (``beta == alpha == 1``)
-``aten::bmm``          :func:`kernels.matmul.bmm`
+``aten::mm``           :func:`batch_invariance_kit.ops.matmul.mm` (invariant)
+``aten::addmm``        :func:`batch_invariance_kit.ops.matmul.addmm` (``beta == alpha == 1``)
+``aten::bmm``          :func:`batch_invariance_kit.ops.matmul.bmm`
 ``aten::_log_softmax`` :func:`log_softmax` below (what ``F.log_softmax`` calls)
 ``aten::mean.dim``     :func:`mean` below (``x.mean(dim)``)
 =====================  ===========================================================
@@ -61,12 +61,12 @@ from collections import Counter
 
 import torch
 
-from . import checks
+from .. import checks
 from . import matmul as _mm
-from .device import DEVICE, INTERPRET
+from ..device import DEVICE, INTERPRET
 from .tl_numerics import from_f32, to_f32
 
-import triton  # noqa: E402  (after kernels.device)
+import triton  # noqa: E402  (after batch_invariance_kit.device)
 import triton.language as tl  # noqa: E402
 
 __all__ = [

@@ -1,9 +1,9 @@
 """Attention's GPU measurements (issue 6): the four consistency properties at production head
 shapes, and decode/prefill timings against SDPA.  Each function returns ``(rows, checks)`` in
-the shape of :mod:`kernels.results`, to be called by ``python -m kernels.gpu_run``.
+the shape of :mod:`batch_invariance_kit.report.results`, to be called by ``python -m batch_invariance_kit.bench.parts``.
 
 Shapes: head dim 128, 32 q heads over 8 kv heads, cache blocks of 16, bf16 (fp32 for the
-negative control too); the kernels run with :data:`kernels.attention.DEFAULT_CONFIG`
+negative control too); the kernels run with :data:`batch_invariance_kit.ops.attention.DEFAULT_CONFIG`
 (64-key tiles, 512-key splits).  Chunk boundaries are multiples of its ``block_n``.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import dataclasses
 
 import torch
 
-from . import attention as A
-from .bench import median_us_graph_or_plain
-from .harness import bits, bitwise_equal
+from ..ops import attention as A
+from .timing import median_us_graph_or_plain
+from ..verify.harness import bits, bitwise_equal
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 

@@ -1,14 +1,14 @@
 """End-to-end GPU measurements (issue 7): the kit's Qwen3-style model served by
-:mod:`kernels.serve` on a GPU, at sizes where default kernels do show batch variance.
+:mod:`batch_invariance_kit.serving.engine` on a GPU, at sizes where default kernels do show batch variance.
 
 * :data:`DENSE`: hidden 2048, 8 layers, 16 q / 8 kv heads of dim 128, intermediate 6144, vocab
   32768, bf16 (the size at which vLLM's default mode was seen to vary, see
   ``shared/device/vllm``);
 * :data:`MOE`: hidden 2048, 4 layers, 32 q / 4 kv heads, 64 experts top-8 of intermediate 768.
 
-:func:`e2e_model` (the ``e2e_model`` part of ``python -m kernels.gpu_run``): for each model and
+:func:`e2e_model` (the ``e2e_model`` part of ``python -m batch_invariance_kit.bench.parts``): for each model and
 each ``impl`` (variant, invariant), a request alone (bs1, no chunking, no prefix cache), then
-``trials`` runs of :func:`kernels.serve.load_experiment` (8 copies of that request among 48
+``trials`` runs of :func:`batch_invariance_kit.serving.engine.load_experiment` (8 copies of that request among 48
 random fillers arriving at random steps, chunked prefill, prefix cache on): the number of
 distinct completions among all copies, as token sequences and as bitwise fp32 log-probability
 sequences, how many equal the bs1 run, the prefix-cache hits, and tokens/s of the whole serving
@@ -16,7 +16,7 @@ loop (Python scheduling included; a serving-loop number, not a kernel benchmark)
 
 Weights: drawn on the GPU with a seeded ``torch.Generator`` (``seeded_normal`` on the CPU is
 far too slow for a billion parameters); :func:`build` returns the model and the same weights
-are what :func:`kernels.model.Qwen3Model.save_pretrained` writes for vLLM.
+are what :func:`batch_invariance_kit.serving.model.Qwen3Model.save_pretrained` writes for vLLM.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from .model import Qwen3Config, Qwen3Model, _seed_of, init_weight, param_names
-from .serve import Engine, Request, completion_key, load_experiment
+from ..serving.model import Qwen3Config, Qwen3Model, _seed_of, init_weight, param_names
+from ..serving.engine import Engine, Request, completion_key, load_experiment
 
 DENSE = Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8, num_attention_heads=16,
                     num_key_value_heads=8, head_dim=128, vocab_size=32768, max_position_embeddings=4096,
@@ -38,7 +38,7 @@ MODELS = {"dense": DENSE, "moe": MOE}
 
 
 def device_random_weights(cfg: Qwen3Config, device="cuda") -> dict:
-    """The distribution of :func:`kernels.model.random_weights` (:func:`kernels.model.init_weight`),
+    """The distribution of :func:`batch_invariance_kit.serving.model.random_weights` (:func:`batch_invariance_kit.serving.model.init_weight`),
     drawn on ``device`` from a per-parameter seeded generator; stored in ``cfg.dtype``."""
     w = {}
     for name, shape in param_names(cfg):

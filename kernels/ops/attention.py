@@ -136,10 +136,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import checks
-from .device import DEVICE, INTERPRET
+from .. import checks
+from ..device import DEVICE, INTERPRET
 
-import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
+import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
 from .matmul import _sm_count  # noqa: E402

@@ -16,20 +16,20 @@ The pipeline of one MoE layer (Qwen3-MoE / Mixtral / DeepSeek style), one public
    ``k = 0..top_k-1`` in fp32, rounded once (:func:`combine_launch` gives its launch).
 
 :func:`fused_moe` runs all four, the gating matmul (``x @ router_weight.T``, by
-:func:`kernels.matmul.linear`) first.
+:func:`batch_invariance_kit.ops.matmul.linear`) first.
 
 ``impl``:
 
 * ``"invariant"``: every reduction has one schedule whatever the batch: the router's per-token
   softmax sum has block size and warps chosen from the number of experts only
   (:func:`router_launch`); the grouped GEMM has one K schedule for every expert load (``BLOCK_K``
-  from the dtype, :func:`kernels.matmul.block_k`; no split-K; the K loop from 0 upward).  The
+  from the dtype, :func:`batch_invariance_kit.ops.matmul.block_k`; no split-K; the K loop from 0 upward).  The
   M/N tile is taken from a table keyed by tokens per expert (:data:`INVARIANT_TABLE`) but it only
   decides *which program* computes a row, never *how*: any config may be forced with
   ``config=`` and gives the same bits;
 * ``"variant"``: launched like production: the router's rows per program, warps and the lanes
   that share a token's softmax sum are picked from the token count (a different tree for the
-  sum), the gating matmul is :func:`kernels.matmul` 's split-K variant, and the grouped GEMM takes
+  sum), the gating matmul is :func:`batch_invariance_kit.ops.matmul` 's split-K variant, and the grouped GEMM takes
   ``BLOCK_K`` and split-K from a table keyed by tokens per expert (:data:`VARIANT_TABLE`, as
   tuned tables do: vLLM's fused-MoE JSON configs pick ``BLOCK_SIZE_K`` by M; split-K for thin
   loads is the other common knob), and the combine is launched decode-style for few tokens: a
@@ -45,7 +45,7 @@ SiLU-and-mul activation and the down projection are rounded to ``x``'s dtype (as
 intermediate caches); the combine is fp32, rounded once.
 
 Under the Triton interpreter 16-bit tiles are widened to fp32 before ``tl.dot`` (exact), as in
-:mod:`kernels.matmul`.  Only plain pointer loads, ``tl.dot(a, b, acc)``, ``tl.reshape`` and
+:mod:`batch_invariance_kit.ops.matmul`.  Only plain pointer loads, ``tl.dot(a, b, acc)``, ``tl.reshape`` and
 ``tl.static_range`` are used (Triton 3.0 features).
 """
 from __future__ import annotations
@@ -54,11 +54,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import checks
+from .. import checks
 from . import matmul as MM
-from .device import DEVICE, INTERPRET
+from ..device import DEVICE, INTERPRET
 
-import triton  # noqa: E402  (after kernels.device: the interpreter is chosen first)
+import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
 from .tl_numerics import from_f32, to_f32  # noqa: E402
@@ -110,7 +110,7 @@ class MoEConfig:
 
 
 #: Invariant grouped GEMM: (largest tokens per expert, BLOCK_M, BLOCK_N, num_warps, num_stages).
-#: BLOCK_K is :func:`kernels.matmul.block_k` of the dtype for every row of the table.
+#: BLOCK_K is :func:`batch_invariance_kit.ops.matmul.block_k` of the dtype for every row of the table.
 INVARIANT_TABLE = [(16, 16, 64, 4, 4), (128, 32, 64, 4, 4), (None, 64, 128, 8, 3)]
 
 #: Variant grouped GEMM, like a tuned production table: (largest tokens per expert, BLOCK_M,

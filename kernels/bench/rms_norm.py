@@ -1,19 +1,19 @@
 """Chapter 3's GPU measurements: emulator vs CUDA bits, the seed-002 check for every op,
 rows flipped against the batch size, and the benchmark against ``torch.compile``.
-Called by ``python -m kernels.gpu_run``; each function returns ``(rows, checks)``."""
+Called by ``python -m batch_invariance_kit.bench.parts``; each function returns ``(rows, checks)``."""
 from __future__ import annotations
 
 import torch
 
-from . import rms_norm_family as fam
-from .bench import copy_bandwidth_gbs, median_us, rotating_sets
-from .cost import is_invariant
+from ..ops import rms_norm_family as fam
+from .timing import copy_bandwidth_gbs, median_us, rotating_sets
+from ..report.cost import is_invariant
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def crosscheck(quick: bool) -> tuple:
-    from .rms_norm_cuda import gpu_crosscheck
+    from ..ops.rms_norm_cuda import gpu_crosscheck
 
     rows = gpu_crosscheck(rows=1000 if not quick else 200)
     for r in rows:
@@ -74,8 +74,8 @@ def _torch_fused_add(x, r, w, eps: float = 1e-6):
 
 
 def bench(quick: bool) -> tuple:
-    from . import rms_norm as tri
-    from . import rms_norm_cuda as cu
+    from ..ops import rms_norm as tri
+    from ..ops import rms_norm_cuda as cu
 
     hidden, dtype = 4096, torch.bfloat16
     es = 2
@@ -151,7 +151,7 @@ def bench(quick: bool) -> tuple:
 def tune_warps(quick: bool) -> tuple:
     """Sweep the invariant Triton kernel's warp count at hidden 4096 (a per-hidden-size
     constant: it shapes the reduction tree but never depends on the batch)."""
-    from . import rms_norm as tri
+    from ..ops import rms_norm as tri
 
     hidden, dtype = 4096, torch.bfloat16
     rows, checks = [], []

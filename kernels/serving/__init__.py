@@ -1,0 +1,2 @@
+"""End to end: a small Qwen3/Llama-style model on the kit's kernels, a continuous-batching
+engine (chunked prefill, prefix cache), and chapter 1's torch-only toy decoder."""
