@@ -6,6 +6,13 @@ from typing import Iterable
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The one table of dtype names: result files, command lines and configs spell dtypes this way.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the spelling of :data:`DTYPES` and of every result file)."""
+    return str(dtype).replace("torch.", "")
 
 
 def tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES, dim: int | None = None,
@@ -16,8 +23,8 @@ def tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES,
     if dtypes is not None:
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
-            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+            names = ", ".join(dtype_name(d) for d in dtypes)
+            raise TypeError(f"{name} must have dtype in ({names}), got {dtype_name(t.dtype)}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
     if device is not None and t.device.type != torch.device(device).type:
@@ -31,8 +38,7 @@ def tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES,
 
 def same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.dtype != ref.dtype:
-        raise TypeError(f"{name} dtype {str(t.dtype).replace('torch.', '')} must match {ref_name} dtype "
-                        f"{str(ref.dtype).replace('torch.', '')}")
+        raise TypeError(f"{name} dtype {dtype_name(t.dtype)} must match {ref_name} dtype {dtype_name(ref.dtype)}")
 
 
 def same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:

@@ -21,6 +21,10 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 OPS = ["mm", "addmm", "linear", "bmm"]
 
 
+#: a persistent grid (one program per SM walks the tiles): not a shipped config, the same bits
+PERSISTENT = MM.MMConfig("persistent", 128, 128, num_warps=8, num_stages=3, group_m=8, persistent=True)
+
+
 def _name(dt):
     return str(dt).replace("torch.", "")
 
@@ -61,13 +65,14 @@ def test_invariant_rows(op, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_every_config_gives_the_default_bits(dtype):
-    """For every M and every config of invariant_candidates(): addmm(A[:M]) with the config
-    forced == the default (table) result for the largest batch, rows 0..M-1, bitwise."""
+    """For every M and every config of invariant_candidates() and a persistent grid:
+    addmm(A[:M]) with the config forced == the default (table) result for the largest batch,
+    rows 0..M-1, bitwise."""
     b, bias = _weights(dtype)
     a = row_maker(K, dtype=dtype)(max(MS))
     full = MM.addmm(bias, a, b)
     bad = []
-    for cfg in MM.invariant_candidates():
+    for cfg in MM.invariant_candidates() + [PERSISTENT]:
         for m in MS:
             if not bitwise_equal(MM.addmm(bias, a[:m], b, config=cfg), full[:m]):
                 bad.append((cfg.name, m))
@@ -89,7 +94,7 @@ def test_long_k_is_the_in_order_sum_of_fixed_chunks():
     want = torch.zeros((65, N), dtype=dtype, device=DEV)
     for k0 in range(0, k, chunk):
         want = want + MM.mm(a[:, k0:k0 + chunk].contiguous(), b[k0:k0 + chunk].contiguous())
-    for cfg in ("m16c", "midc", "mid", "mid_tma", "large_persistent", "wide_tma_ws"):
+    for cfg in ("m16c", "midc", "mid", "mid_tma", PERSISTENT, "wide_tma_ws"):
         assert bitwise_equal(MM.mm(a, b, config=cfg), want), cfg
     short = MM.mm(a[:, :chunk], b[:chunk])
     for cfg in ("m16c", "mid_tma", "t64n32s8"):
@@ -150,7 +155,7 @@ def test_config_table():
         assert info["block_k"] == 64 and info["split_k"] == 1
     assert MM.launch_info(1, N, 4096, torch.bfloat16, impl="variant")["split_k"] == 8
     assert MM.launch_info(300, N, 4096, torch.bfloat16, impl="variant")["split_k"] == 1
-    assert MM.launch_info(300, N, K, torch.float32, config="large_persistent")["persistent"]
+    assert MM.launch_info(300, N, K, torch.float32, config=PERSISTENT)["persistent"]
     # a long K: fixed chunks (a function of K only); thin M runs them as programs (split_chunks)
     chunk = MM.k_chunk(10 ** 6, torch.bfloat16)
     long_k = 4 * chunk + 1
@@ -258,7 +263,7 @@ def test_strided_inputs_and_outputs_give_the_same_bits(dtype):
 def test_guards_every_element_written_nothing_else(impl):
     dt = torch.bfloat16
     b, bias = _weights(dt)
-    for cfg in MM.invariant_candidates():
+    for cfg in MM.invariant_candidates() + [PERSISTENT]:
         for m in (1, 129):
             a = row_maker(K, dtype=dt)(m)
             g = Guarded((m, N), dt, DEV)
@@ -340,7 +345,9 @@ def test_gpu_invariant_rows_and_configs(dtype):
         f, make = _op("addmm", dtype, n=n, k=k)
         report = check_invariance(f, make, MS + [1024, 2049, 4096])
         assert report.passed, report.summary()
-    rows, results = MM.gpu_sweep([(1024, 4096)], [1, 17, 64, 65, 129, 300, 1025], dtype, reps=3, graph=False,
+    from batch_invariance_kit.bench.matmul import config_sweep
+
+    rows, results = config_sweep([(1024, 4096)], [1, 17, 64, 65, 129, 300, 1025], dtype, reps=3, graph=False,
                                  rotate=False)
     failed = [r for r in results if not r["passed"]]
     assert not failed, failed

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from ..checks import dtype_name
+from ..serving.toy_decoder import ToyDecoder
 from ..serving.model import Qwen3Config, Qwen3Model, _seed_of, init_weight, param_names
 from ..serving.engine import Engine, Request, completion_key, load_experiment
 
@@ -127,4 +129,34 @@ def e2e_model(quick: bool) -> tuple:
                        "unique_logprob_sequences": var["unique_logprob_sequences"]})
         del m
         torch.cuda.empty_cache()
+    return rows, checks
+
+
+def decoder_under_load(quick: bool) -> tuple:
+    """Chapter 1's torch-only toy decoder on cuBLAS: unique logprob sequences and completions of
+    one prompt under 14 loads, and of the prompt alone (which must give one sequence)."""
+    rows, checks = [], []
+    configs = [dict(vocab=2048, hidden=512, layers=4, heads=8, ffn=1024),
+               dict(vocab=8192, hidden=2048, layers=8, heads=16, ffn=5632)]
+    loads = [0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63, 95, 127]
+    for cfg in configs[:1] if quick else configs:
+        for dtype in (torch.bfloat16, torch.float32):
+            m = ToyDecoder(seed=0, dtype=dtype, **cfg)
+            prompt = list(range(10, 42))
+            runs = [m.generate(prompt, 48, load=n, load_seed=n) for n in loads]
+            alone = [m.generate(prompt, 48, load=n, load_seed=n, alone=True) for n in loads[:4]]
+            ref = alone[0].logprobs
+            row = dict(op="toy_decoder", impl="torch (cuBLAS)", dtype=dtype_name(dtype),
+                       **cfg, runs=len(runs), loads=loads,
+                       unique_logprob_sequences=len({r.key() for r in runs}),
+                       unique_completions=len({r.tokens for r in runs}),
+                       alone_unique_logprob_sequences=len({r.key() for r in alone}),
+                       max_abs_logprob_diff=max(float((r.logprobs - ref).abs().max()) for r in runs
+                                                if len(r.tokens) == len(alone[0].tokens)))
+            rows.append(row)
+            print(f"  decoder hidden {cfg['hidden']} {row['dtype']}: {row['unique_logprob_sequences']} logprob "
+                  f"sequences, {row['unique_completions']} completions of {len(runs)}; alone "
+                  f"{row['alone_unique_logprob_sequences']}")
+            checks.append({"name": f"decoder alone is invariant (hidden {cfg['hidden']}, {row['dtype']})",
+                           "passed": row["alone_unique_logprob_sequences"] == 1})
     return rows, checks

@@ -1,197 +1,87 @@
-"""Every GPU check and benchmark of the kit, in one command, with results stored as JSON.
+"""The registry of parts: every check and measurement that :mod:`batch_invariance_kit.validate` runs.
 
-    python -m batch_invariance_kit.bench.parts [--out DIR] [--only NAME[,NAME...]] [--quick]
-
-Writes ``<DIR>/<name>.json`` (default ``results/local``; the stored H200 results in
-``results/h200`` were produced by this command, see each file's provenance).  Parts:
-
-* ``mm_first_divergence``: where ``torch.mm`` (cuBLAS) first depends on the batch (chapter 1);
-* ``decoder_under_load``: chapter 1's toy decoder, unique logprob sequences under load;
-* ``rms_norm_*``: chapter 3 (emulator vs CUDA bitwise, invariance of every op, benchmark).
+A part is a function ``run(quick) -> (rows, checks)`` in the shape of
+:mod:`batch_invariance_kit.report.results`; the validation command stores its result as
+``<name>.json`` (the stored H200 results in ``results/h200`` are such files).  ``device`` says
+where a part runs: ``"cuda"`` parts need a CUDA GPU; ``"cpu"`` parts are what a machine
+without one checks by default (the Triton interpreter, the CUDA kernels through the emulator)
+and run anywhere.  ``incremental`` parts also take ``save=`` (a callback that stores the rows
+done so far, so that a part cut by a time limit keeps them).
 """
 from __future__ import annotations
 
-import argparse
-import sys
-import time
-import traceback
-from pathlib import Path
+import importlib
+from dataclasses import dataclass
 
-import torch
-
-import batch_invariance_kit  # noqa: F401  (device selection first)
-from ..report import results
+DEVICES = ("cuda", "cpu")
 
 
-def part_mm_first_divergence(quick: bool) -> tuple:
-    from ..verify.divergence import DTYPES, default_batch_sizes, mm_first_divergence
+@dataclass(frozen=True)
+class Part:
+    name: str
+    #: ``"module:function"`` under :mod:`batch_invariance_kit.bench` (imported when the part runs)
+    target: str
+    device: str
+    #: one line for ``--list``
+    what: str
+    incremental: bool = False
 
-    shapes = [(4096, 4096)] if quick else [(4096, 4096), (12288, 4096), (4096, 12288)]
-    limit = 1024 if quick else 4096
-    sizes = default_batch_sizes(limit)
-    rows = []
-    for dt in ("bfloat16", "float16", "float32"):
-        for n, k in shapes:
-            # every row of every batch up to 64, then first / middle / last rows
-            r = mm_first_divergence(DTYPES[dt], n, k, sizes,
-                                    positions=lambda bs: range(bs) if bs <= 64 else (0, bs // 2, bs - 1))
-            rows.append(r)
-            print(f"  torch.mm {dt:<9} N={n:<6} K={k:<6} first diverging M = {r['first_divergence_M']}")
-    checks = [{"name": "cuBLAS torch.mm depends on the batch for some dtype and shape",
-               "passed": any(r["first_divergence_M"] is not None for r in rows)}]
-    return rows, checks
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
 
+    def function(self):
+        module, name = self.target.split(":")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
-def part_decoder_under_load(quick: bool) -> tuple:
-    from ..serving.toy_decoder import ToyDecoder
-
-    rows, checks = [], []
-    configs = [dict(vocab=2048, hidden=512, layers=4, heads=8, ffn=1024),
-               dict(vocab=8192, hidden=2048, layers=8, heads=16, ffn=5632)]
-    loads = [0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63, 95, 127]
-    for cfg in configs[:1] if quick else configs:
-        for dtype in (torch.bfloat16, torch.float32):
-            m = ToyDecoder(seed=0, dtype=dtype, **cfg)
-            prompt = list(range(10, 42))
-            runs = [m.generate(prompt, 48, load=n, load_seed=n) for n in loads]
-            alone = [m.generate(prompt, 48, load=n, load_seed=n, alone=True) for n in loads[:4]]
-            ref = alone[0].logprobs
-            row = dict(op="toy_decoder", impl="torch (cuBLAS)", dtype=str(dtype).replace("torch.", ""),
-                       **cfg, runs=len(runs), loads=loads,
-                       unique_logprob_sequences=len({r.key() for r in runs}),
-                       unique_completions=len({r.tokens for r in runs}),
-                       alone_unique_logprob_sequences=len({r.key() for r in alone}),
-                       max_abs_logprob_diff=max(float((r.logprobs - ref).abs().max()) for r in runs
-                                                if len(r.tokens) == len(alone[0].tokens)))
-            rows.append(row)
-            print(f"  decoder hidden {cfg['hidden']} {row['dtype']}: {row['unique_logprob_sequences']} logprob "
-                  f"sequences, {row['unique_completions']} completions of {len(runs)}; alone "
-                  f"{row['alone_unique_logprob_sequences']}")
-            checks.append({"name": f"decoder alone is invariant (hidden {cfg['hidden']}, {row['dtype']})",
-                           "passed": row["alone_unique_logprob_sequences"] == 1})
-    return rows, checks
+    def run(self, quick: bool, save=None) -> tuple:
+        """``(rows, checks)``; ``save(rows, checks)`` is passed on to incremental parts."""
+        f = self.function()
+        return f(quick, save=save) if self.incremental else f(quick)
 
 
-def part_invariance_map(quick: bool, save=None) -> tuple:
-    """torch.mm/bmm/linear first divergence under three cuBLAS set-ups, one process each
-    (the workspace variables are read when cuBLAS starts)."""
-    import json
-    import os
-    import subprocess
+_PARTS = [
+    Part("mm_first_divergence", "matmul:first_divergence", "cuda",
+         "chapter 1: first M at which a torch.mm (cuBLAS) row depends on the batch"),
+    Part("decoder_under_load", "e2e:decoder_under_load", "cuda",
+         "chapter 1: the torch-only toy decoder under load on cuBLAS"),
+    Part("rms_norm_crosscheck", "rms_norm:crosscheck", "cuda",
+         "chapter 3: CUDA kernels' bits vs the reduction-order emulator's"),
+    Part("rms_norm_invariance", "rms_norm:invariance", "cuda",
+         "chapter 3: 255 vs 300 tokens, 16 seeds, every op, backend, dtype and impl"),
+    Part("rms_norm_flips", "rms_norm:flips", "cuda", "chapter 3: rows differing from the row alone vs batch size"),
+    Part("rms_norm_bench", "rms_norm:bench", "cuda", "chapter 3: the RMSNorm family vs torch.compile, bf16, hidden 4096"),
+    Part("rms_norm_tune_warps", "rms_norm:tune_warps", "cuda",
+         "chapter 3: the warp-count sweep behind the invariant kernel's warps at hidden 4096"),
+    Part("invariance_map", "matmul:invariance_map", "cuda",
+         "chapter 4: torch.mm / bmm / F.linear first divergence under three cuBLAS set-ups", incremental=True),
+    Part("matmul_sweep", "matmul:sweep", "cuda", "chapter 4: every matmul config's bits and time beside cuBLAS"),
+    Part("moe_invariance", "moe:invariance", "cuda", "chapter 5: a token alone vs in batches of 1..8192 tokens"),
+    Part("moe_loads", "moe:loads", "cuda", "chapter 5: tokens per expert vs batch size"),
+    Part("moe_bench", "moe:bench", "cuda", "chapter 5: invariant vs tuned variant fused MoE"),
+    Part("attention_consistency", "attention:consistency", "cuda",
+         "chapter 6: attention properties (a)-(d) at production head shapes"),
+    Part("attention_bench", "attention:bench", "cuda", "chapter 6: decode and prefill vs SDPA and FlashAttention-3"),
+    Part("attention_tune", "attention:tune", "cuda", "chapter 6: fixed attention schedules, decode and prefill time"),
+    Part("attention_decode_tiles", "attention:decode_tiles", "cuda",
+         "chapter 6: prefill == decode, serial == per-split launches, per schedule"),
+    Part("e2e_model", "e2e:e2e_model", "cuda", "chapter 7: the kit's Qwen3 dense/MoE model served under load"),
+    Part("cpu_rms_norm", "rms_norm:cpu_invariance", "cpu",
+         "the RMSNorm family, both backends, fp32: 255 vs 300 tokens (interpreter and emulator)"),
+    Part("cpu_matmul", "matmul:cpu_invariance", "cpu", "the invariant matmul and its split-K twin, fp32"),
+]
 
-    setups = [("default", {}, []),
-              ("no-split-K env", {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}, []),
-              ("no-split-K env + cuBLASLt", {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"},
-               ["--cublaslt"])]
-    rows = []
-    for label, env, flags in setups:
-        e = dict(os.environ)
-        e.update(env)
-        cmd = [sys.executable, "-m", "batch_invariance_kit.verify.divergence", "--limit", "1024" if quick else "2048", *flags]
-        if quick:
-            cmd.append("--quick")
-        p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("JSON:")]
-        if p.returncode != 0 or not line:
-            raise RuntimeError(f"{label}: {p.stderr[-2000:]}")
-        for r in json.loads(line[0][5:]):
-            r["setup"] = label
-            rows.append(r)
-            print(f"  {label:<26} {r['op']:<16} {r['dtype']:<9} N={r['N']:<6} K={r['K']:<6} "
-                  f"first M = {r['first_divergence_M']}", flush=True)
-        if save is not None:  # keep what is done if a later set-up runs out of time
-            save(rows, [{"name": f"set-ups done: {len({r['setup'] for r in rows})} of {len(setups)}",
-                         "passed": True, "informational": True}])
-    bf16_env = [r for r in rows if r["setup"] != "default" and r["dtype"] == "bfloat16"]
-    checks = [{"name": "the no-split-K cuBLAS environment makes bf16 mm/bmm/linear batch-invariant "
-                       "(observed, not required)", "passed": all(r["first_divergence_M"] is None for r in bf16_env),
-               "informational": True}]
-    return rows, checks
+#: name -> :class:`Part`, in the order the validation command runs them
+PARTS = {p.name: p for p in _PARTS}
 
 
-def part_matmul_sweep(quick: bool) -> tuple:
-    from ..ops.matmul import gpu_sweep
-
-    if quick:  # two shapes, six Ms, plus the vocabulary projection at decode sizes
-        rows, checks = gpu_sweep([(4096, 4096), (4096, 12288)], [1, 16, 64, 256, 1024, 4096], torch.bfloat16,
-                                 reps=50)
-        more = gpu_sweep([(151936, 4096)], [1, 16], torch.bfloat16, reps=30)
-        return rows + more[0], checks + more[1]
-    shapes = [(4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096)]
-    return gpu_sweep(shapes, [1, 4, 16, 64, 256, 1024, 4096, 8192], torch.bfloat16, reps=50)
+def runnable(name: str, has_cuda: bool) -> bool:
+    """Whether part ``name`` can run on this machine (CUDA parts need a GPU)."""
+    return PARTS[name].device == "cpu" or has_cuda
 
 
-def _from(module: str, name: str):
-    """A part that lives in another module (imported only when it runs)."""
-    def part(quick):
-        import importlib
-
-        return getattr(importlib.import_module(f"kernels.{module}"), name)(quick)
-    return part
-
-
-
-PARTS = {
-    "mm_first_divergence": part_mm_first_divergence,
-    "decoder_under_load": part_decoder_under_load,
-    "rms_norm_crosscheck": _from("rms_norm_bench", "crosscheck"),
-    "rms_norm_invariance": _from("rms_norm_bench", "invariance"),
-    "rms_norm_flips": _from("rms_norm_bench", "flips"),
-    "rms_norm_bench": _from("rms_norm_bench", "bench"),
-    "rms_norm_tune_warps": _from("rms_norm_bench", "tune_warps"),
-    "invariance_map": part_invariance_map,
-    "matmul_sweep": part_matmul_sweep,
-    # issue 5 (written on CPU, not yet run on a GPU):
-    "moe_invariance": _from("moe_bench", "invariance"),
-    "moe_loads": _from("moe_bench", "loads"),
-    "moe_bench": _from("moe_bench", "bench"),
-    # issue 6 (written on CPU, not yet run on a GPU):
-    "attention_consistency": _from("attention_bench", "consistency"),
-    "attention_bench": _from("attention_bench", "bench"),
-    "attention_tune": _from("attention_bench", "tune"),
-    "attention_decode_tiles": _from("attention_bench", "decode_tiles"),
-    "e2e_model": _from("e2e_bench", "e2e_model"),
-}
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="folder for the JSON files (default results/local)")
-    ap.add_argument("--only", default=None, help="comma-separated part names: " + ", ".join(PARTS))
-    ap.add_argument("--quick", action="store_true", help="smaller sweeps (a smoke test)")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("batch_invariance_kit.bench.parts needs a CUDA GPU; none is present.", file=sys.stderr)
-        return 2
-    names = list(PARTS) if not args.only else [n.strip() for n in args.only.split(",")]
-    unknown = [n for n in names if n not in PARTS]
-    if unknown:
-        ap.error(f"unknown part(s) {unknown}; known: {list(PARTS)}")
-    command = "python -m batch_invariance_kit.bench.parts" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
-    failed = []
-    for name in names:
-        t = time.time()
-        print(f"== {name}", flush=True)
-        try:
-            if name == "invariance_map":
-                rows, checks = PARTS[name](args.quick, save=lambda r, c: results.save(
-                    name, r, c, command=command, folder=args.out))
-            else:
-                rows, checks = PARTS[name](args.quick)
-        except Exception:
-            traceback.print_exc()
-            failed.append(name)
-            continue
-        path = results.save(name, rows, checks, command=command, folder=args.out)
-        bad = [c["name"] for c in checks if not c["passed"]]
-        print(f"   -> {path} ({len(rows)} rows, {len(checks)} checks, {len(bad)} failed) in {time.time() - t:.1f} s",
-              flush=True)
-        for b in bad:
-            print(f"   FAILED CHECK: {b}")
-    if failed:
-        print("parts that raised:", failed)
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def default_parts(has_cuda: bool) -> list:
+    """What the validation command runs without ``--only``: the CUDA parts on a GPU, the CPU
+    parts on a machine without one."""
+    want = "cuda" if has_cuda else "cpu"
+    return [n for n, p in PARTS.items() if p.device == want]

@@ -21,7 +21,7 @@ Public ops (each takes ``impl=``, ``out=`` and ``config=``):
   M is too thin to fill the GPU.  The M/N tiling (:data:`CONFIGS`, picked from M by
   :func:`select_config`) only decides *which program* computes an element, not *how*, so any
   config may be forced with ``config=`` and must give the same bits (tests and
-  :func:`gpu_sweep` check that);
+  :func:`batch_invariance_kit.bench.matmul.config_sweep` check that);
 * ``"variant"``: the same kernel launched like production: split-K picked from the shape
   (:func:`variant_split_k`: more splits for small M and long K, none from M = 256 on), fp32
   partial sums added in split order by a second kernel, then rounded.  Another M, another
@@ -78,7 +78,6 @@ __all__ = [
     "addmm",
     "linear",
     "bmm",
-    "gpu_sweep",
 ]
 
 IMPLS = ("invariant", "variant", "cublas", "reference")
@@ -113,17 +112,15 @@ class MMConfig:
         return asdict(self)
 
 
-#: Every named config (all give the same bits: the tests and the GPU sweep check it).  The
-#: first six are the first session's (``m16``: BLOCK_M = 16 compiles to ``mma.sync`` rather
-#: than ``wgmma`` on Hopper; the two instructions gave the same bits); then thin-M configs with
-#: deep pipelines, and TMA configs (``tma=True``: Hopper's bulk tensor copies from host tensor
-#: descriptors; ``warp_spec``: a warp-specialised K loop).
+#: The shipped configs (all give the same bits: the tests and the GPU sweep check it): the ones
+#: :data:`TABLE` picks and those within a few percent of the best in some cell of the H200 sweep
+#: (``results/h200/matmul_sweep.json``).  ``m16``: BLOCK_M = 16 compiles to ``mma.sync`` rather
+#: than ``wgmma`` on Hopper, with the same bits; thin-M configs with deep pipelines; TMA configs
+#: (``tma=True``: Hopper's bulk tensor copies from host tensor descriptors; ``warp_spec``: a
+#: warp-specialised K loop).  A persistent grid (``persistent=True``) gives the same bits too
+#: (tests), but no persistent config came within a few percent of the best in the sweep.
 CONFIGS = [
-    MMConfig("small", 64, 32, num_warps=4, num_stages=4, group_m=1),          # decode: many CTAs along N
     MMConfig("mid", 64, 128, num_warps=4, num_stages=4, group_m=8),
-    MMConfig("large", 128, 128, num_warps=8, num_stages=3, group_m=8),
-    MMConfig("large_persistent", 128, 128, num_warps=8, num_stages=3, group_m=8, persistent=True),
-    MMConfig("wide", 128, 256, num_warps=8, num_stages=3, group_m=8),
     MMConfig("m16", 16, 64, num_warps=4, num_stages=4, group_m=1),
     # thin M (memory-bound): narrow N tiles for many CTAs, deep pipelines for bytes in flight
     MMConfig("t64n32s8", 64, 32, num_warps=4, num_stages=8, group_m=1),
@@ -132,7 +129,7 @@ CONFIGS = [
     # thin M, long K: one program per (tile, fixed K chunk), chunk sums added in order
     MMConfig("m16c", 16, 64, num_warps=4, num_stages=6, group_m=1, split_chunks=True),
     MMConfig("midc", 64, 128, num_warps=4, num_stages=4, group_m=1, split_chunks=True),
-    # mid and large M: TMA loads, deeper pipelines, persistent grid, warp specialisation
+    # mid and large M: TMA loads, deeper pipelines, warp specialisation
     MMConfig("mid_tma", 64, 128, num_warps=4, num_stages=6, group_m=8, tma=True),
     MMConfig("large_tma", 128, 128, num_warps=8, num_stages=4, group_m=8, tma=True),
     MMConfig("tall_tma", 256, 128, num_warps=8, num_stages=4, group_m=8, tma=True),
@@ -144,8 +141,8 @@ _BY_NAME = {c.name: c for c in CONFIGS}
 #: (largest M, config for N <= 8192, for N <= 65536, for larger N): the first row whose bound is
 #: >= M.  Chosen from the H200 sweep (results/h200/matmul_sweep.json: every candidate timed
 #: beside cuBLAS, every config proven to give the same bits): thin M wants narrow tiles and deep
-#: pipelines (memory-bound), wide N or M > 256 the 128x256 TMA tile.  fp32 takes "large_tma" /
-#: "large" for tiles over 128x128 (twice the bytes per element).
+#: pipelines (memory-bound), wide N or M > 256 the 128x256 TMA tile.  fp32 takes "large_tma"
+#: for tiles over 128x128 (twice the bytes per element).
 TABLE = [(16, "t64n32s8", "m16", "mid"), (64, "t64n32s8", "mid_tma", "mid_tma"), (256, "mid_tma", "wide_tma", "wide_tma"),
          (None, "wide_tma_ws", "wide_tma_ws", "wide_tma_ws")]
 #: the N bounds of TABLE's columns: N <= 8192, N <= 65536, larger (a vocabulary projection)
@@ -176,7 +173,7 @@ def k_chunk(K: int, dtype: torch.dtype, *, compiled: bool | None = None) -> int:
     output element is the in-order sum of its chunks' sums, each chunk summed from zero,
     BLOCK_K at a time.  A function of K and the dtype only: never of M, so the order never
     depends on the batch.  Why not chunk every K: on the H200 the chunk loop cost the large
-    tiles up to 10% at K = 4096 (run 17) and bought thin M most at K = 12288.  ``compiled``:
+    tiles up to 10% at K = 4096 and bought thin M most at K = 12288.  ``compiled``:
     whose rule, the interpreter's (False) or a GPU's (True); ``None``: this process's (pass
     True to read GPU results on a CPU)."""
     bk = block_k(dtype)  # a float dtype, or TypeError
@@ -202,7 +199,7 @@ def select_config(M: int, N: int = 0, K: int = 0, dtype: torch.dtype = torch.bfl
         if row[0] is None or M <= row[0]:
             cfg = _BY_NAME[row[column]]
             if dtype == torch.float32 and cfg.block_m * cfg.block_n > 128 * 128:
-                cfg = _BY_NAME["large_tma" if cfg.tma else "large"]  # fp32 tiles: half the 16-bit budget
+                cfg = _BY_NAME["large_tma"]  # fp32 tiles: half the 16-bit budget
             return cfg
     raise AssertionError("unreachable: the table ends with an unbounded row")
 
@@ -711,105 +708,3 @@ def bmm(a, b, *, impl="invariant", out=None, config=None):
         return torch.bmm(a, b, out=out)
     _launch(a, b, out, None, impl, config)
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# GPU sweep (bits of every config, timings beside cuBLAS)
-# --------------------------------------------------------------------------------------------
-
-def _worth_timing(c: MMConfig, M: int) -> bool:
-    """The sweep times thin tiles for thin M and big tiles for big M only (its time budget)."""
-    area = c.block_m * c.block_n
-    if area <= 64 * 64:
-        return M <= 256
-    if area >= 128 * 128:
-        return M >= 256
-    return 16 <= M <= 4096
-
-
-def gpu_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: bool = True,
-              rotate: bool = True) -> tuple:
-    """On a CUDA GPU: for each ``(N, K)`` in ``shapes`` and each ``M`` in ``Ms``
-
-    (a) checks that every config of :func:`invariant_candidates` gives the bits of the default
-        config (the table's pick for that M), and that the default config's rows for M equal
-        its rows for the largest M (so all Ms and all configs agree row by row); records
-        whether the split-K variant and cuBLAS rows differ (negative control / peer);
-    (b) times the configs worth timing at that M (:func:`_worth_timing`, and always the
-        table's pick), the variant and ``torch.mm`` (cuBLAS) with
-        :func:`batch_invariance_kit.bench.timing.median_us` (``graph``: CUDA-graph replays, the same for all;
-        ``rotate``: enough copies of the operands to exceed L2, so weights are read from HBM).
-
-    Returns ``(rows, checks)`` in the shape of :mod:`batch_invariance_kit.report.results`."""
-    from ..bench.timing import median_us_graph_or_plain, rotating_sets
-    from ..verify.harness import bitwise_equal
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("gpu_sweep needs a CUDA GPU")
-    Ms = sorted(set(int(m) for m in Ms))
-    dname = str(dtype).replace("torch.", "")
-    cands = invariant_candidates()
-    rows, results = [], []
-    for N, K in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(N * 100003 + K)
-        a_all = torch.randn((Ms[-1], K), generator=gen, device="cuda").to(dtype)
-        b = (torch.randn((K, N), generator=gen, device="cuda") * K ** -0.5).to(dtype)
-        failed = {}  # this shape: config name -> the error that stopped it (never timed; the check fails)
-        w = b.t().contiguous()  # the same B as a linear layer's (N, K) weight
-        full = mm(a_all, b)
-        full_cublas = torch.mm(a_all, b)
-        bad_configs, rows_bad, variant_differs, cublas_differs = [], [], [], []
-        for M in Ms:
-            a = a_all[:M]
-            default = mm(a, b)
-            if not bitwise_equal(default, full[:M]):
-                rows_bad.append(M)
-            if not bitwise_equal(linear(a, w), default):
-                bad_configs.append([M, "default", "linear"])
-            for c in cands:
-                if c.name in failed:
-                    continue
-                try:
-                    if not bitwise_equal(mm(a, b, config=c), default):
-                        bad_configs.append([M, c.name])
-                    if not bitwise_equal(linear(a, w, config=c), default):
-                        bad_configs.append([M, c.name, "linear"])
-                except Exception as e:  # a config that does not compile here: recorded, never timed
-                    failed[c.name] = repr(e)[:400]
-            if not bitwise_equal(mm(a, b, impl="variant"), full[:M]):
-                variant_differs.append(M)
-            if not bitwise_equal(torch.mm(a, b), full_cublas[:M]):
-                cublas_differs.append(M)
-
-            o = torch.empty((M, N), dtype=dtype, device="cuda")
-            flop = 2.0 * M * N * K
-            nbytes = (M * K + K * N + M * N) * a.element_size()
-            sets = rotating_sets(lambda: (a.clone(), b.clone(), torch.empty_like(o)), nbytes) if rotate \
-                else [(a, b, o)]
-
-            def timed(impl, fn):
-                t, used = median_us_graph_or_plain(fn, reps=reps, rotate=sets, graph=graph)
-                us = t["median_us"]
-                rows.append({"op": "mm", "impl": impl, "dtype": dname, "M": M, "N": N, "K": K,
-                             "median_us": us, "p25_us": t["p25_us"], "p75_us": t["p75_us"],
-                             "tflops": flop / (us * 1e-6) / 1e12, "gbs": nbytes / (us * 1e-6) / 1e9,
-                             "cuda_graph": used, "rotating_sets": len(sets)})
-
-            for c in cands:
-                if c.name not in failed and (c is select_config(M, N, K, dtype) or _worth_timing(c, M)):
-                    timed(f"kit-invariant:{c.name}", lambda x, y, z, c=c: mm(x, y, config=c, out=z))
-            timed("kit-variant-splitk", lambda x, y, z: mm(x, y, impl="variant", out=z))
-            timed("cublas", lambda x, y, z: torch.mm(x, y, out=z))
-            del sets
-        shape = {"dtype": dname, "N": N, "K": K, "Ms": Ms}
-        results.append({"name": f"mm: every invariant config gives the default config's bits, as mm (K, N) and "
-                                f"as linear (N, K) ({dname}, N={N}, K={K})",
-                        "passed": not bad_configs and not failed, "differing_M_config": bad_configs[:50],
-                        "configs_failed_to_run": dict(failed), **shape})
-        results.append({"name": f"mm: invariant rows equal across M ({dname}, N={N}, K={K})",
-                        "passed": not rows_bad, "differing_M": rows_bad, **shape})
-        results.append({"name": f"mm: split-K variant differs at some M (negative control; {dname}, N={N}, K={K})",
-                        "passed": bool(variant_differs), "differing_M": variant_differs, **shape})
-        results.append({"name": f"mm: cuBLAS rows depend on M (observed, not required; {dname}, N={N}, K={K})",
-                        "passed": True, "informational": True, "differing_M": cublas_differs, **shape})
-    return rows, results

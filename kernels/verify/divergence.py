@@ -1,17 +1,19 @@
 """First-divergence searches of library ops (``torch.mm`` ...) on the present device.
 
-Used by chapter 1 (small, on whatever device is present) and by ``batch_invariance_kit.bench.parts``
-(the H200 table stored in ``results/h200``): for each dtype and (N, K), the smallest batch
+Used by chapter 1 (small, on whatever device is present) and by :mod:`batch_invariance_kit.bench.matmul`
+(the H200 tables stored in ``results/h200``): for each dtype and (N, K), the smallest batch
 ``M`` at which some row of ``x @ W`` differs bitwise from the same row computed alone.
 """
 from __future__ import annotations
 
+import multiprocessing
+import os
+
 import torch
 
+from ..checks import DTYPES, dtype_name
 from ..device import DEVICE
 from .harness import first_divergence, row_maker, seeded_normal
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def default_batch_sizes(limit: int) -> list:
@@ -32,7 +34,7 @@ def _search(label: str, f, make, dtype: torch.dtype, n: int, k: int, batch_sizes
     first = rep.first
     return {
         "op": label, "impl": "cuBLAS" if torch.device(device).type == "cuda" else "CPU BLAS",
-        "dtype": str(dtype).replace("torch.", ""), "N": n, "K": k,
+        "dtype": dtype_name(dtype), "N": n, "K": k,
         "searched_up_to": max(batch_sizes), "row_checks": rep.checks,
         "first_divergence_M": m,
         "row": first.position if first else None,
@@ -81,8 +83,10 @@ def op_first_divergence(op: str, dtype: torch.dtype, n: int, k: int, batch_sizes
     label = f"torch.{op}" if op != "linear" else "F.linear(+bias)"
     return _search(label, _op_fn(op, w, bias, heads), make, dtype, n, k, batch_sizes, positions, seeds, device)
 
+
 def invariance_map(shapes=((4096, 4096), (4096, 12288)), dtypes=("bfloat16", "float16", "float32"),
                    limit: int = 2048, ops=OPS) -> list:
+    """:func:`op_first_divergence` for every op, dtype and (N, K), in this process."""
     sizes = default_batch_sizes(limit)
     rows = []
     for op in ops:
@@ -92,25 +96,27 @@ def invariance_map(shapes=((4096, 4096), (4096, 12288)), dtypes=("bfloat16", "fl
     return rows
 
 
-if __name__ == "__main__":  # one process per cuBLAS environment (it is read at start-up)
-    import argparse
-    import json
-    import os
-
-    ap = argparse.ArgumentParser(description="first-divergence map of torch.mm/bmm/linear, as JSON on stdout")
-    ap.add_argument("--cublaslt", action="store_true", help="torch.backends.cuda.preferred_blas_library('cublaslt')")
-    ap.add_argument("--limit", type=int, default=2048)
-    ap.add_argument("--quick", action="store_true", help="mm and linear, bf16 and fp16, N=K=4096 only")
-    args = ap.parse_args()
-    if args.cublaslt:
+def _map_in_child(env: dict, cublaslt: bool, limit: int, quick: bool) -> list:
+    os.environ.update(env)  # before the first cuBLAS call of this fresh process
+    if cublaslt:
         torch.backends.cuda.preferred_blas_library("cublaslt")
-    env = {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
-    if args.quick:
-        out = invariance_map(shapes=((4096, 4096),), dtypes=("bfloat16", "float16"), limit=args.limit,
-                             ops=("mm", "linear"))
+    if quick:  # mm and linear, bf16 and fp16, N = K = 4096
+        out = invariance_map(shapes=((4096, 4096),), dtypes=("bfloat16", "float16"), limit=limit, ops=("mm", "linear"))
     else:
-        out = invariance_map(limit=args.limit)
+        out = invariance_map(limit=limit)
     for r in out:
-        r["cublas_env"] = env
-        r["preferred_blas"] = "cublaslt" if args.cublaslt else "default"
-    print("JSON:" + json.dumps(out))
+        r["cublas_env"] = {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
+        r["preferred_blas"] = "cublaslt" if cublaslt else "default"
+    return out
+
+
+def invariance_map_in_process(env: dict, *, cublaslt: bool = False, limit: int = 2048, quick: bool = False,
+                              timeout_s: float = 600) -> list:
+    """:func:`invariance_map` in a fresh (spawned) process with ``env`` added to its environment
+    and, with ``cublaslt``, cuBLASLt as torch's preferred BLAS: cuBLAS reads its workspace
+    variables once, when it starts, so each set-up needs its own process.  ``quick``: mm and
+    linear, bf16 and fp16, N = K = 4096 only.  Each row records the set-up it ran under."""
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise TypeError(f"env must be a dict of str to str, got {env!r}")
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply_async(_map_in_child, (env, cublaslt, limit, quick)).get(timeout_s)
