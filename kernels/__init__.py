@@ -3,7 +3,11 @@
 ``import kernels`` first: it selects the device (and the Triton interpreter on a machine
 without a GPU) before anything imports ``triton``.
 """
-from . import device  # noqa: F401  (must come first: sets TRITON_INTERPRET without CUDA)
-from .device import DEVICE, HAS_CUDA, INTERPRET  # noqa: F401
+if __name__ == "batch_invariance_kit":
+    from . import device  # noqa: F401  (must come first: sets TRITON_INTERPRET without CUDA)
+    from .device import DEVICE, HAS_CUDA, INTERPRET  # noqa: F401
+# Under any other name (from the repository root, ``import kernels`` finds this folder: that is
+# how transformers probes for Hugging Face's ``kernels`` package) the folder stays an empty
+# module without a version, so such a probe reads "not installed" and imports nothing else.
 
 __all__ = ["DEVICE", "HAS_CUDA", "INTERPRET", "device"]
