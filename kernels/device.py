@@ -1,6 +1,6 @@
 """Device selection for the whole kit.
 
-Import this module (``import kernels`` does) before anything imports ``triton``:
+Import this module (``import batch_invariance_kit`` does) before anything imports ``triton``:
 with no CUDA device present it sets ``TRITON_INTERPRET=1`` so that every Triton kernel
 of the kit runs under the Triton interpreter on the CPU; with a GPU the same kernels
 are compiled.  One rule, decided once per process.

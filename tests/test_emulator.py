@@ -24,7 +24,7 @@ def test_agrees_with_float64_within_fp32_rounding(n, block, vec):
 
 
 def test_known_row_gives_different_bits_for_two_block_sizes():
-    # The seed-002 situation: block 1024 (< 256 tokens) vs 256 (>= 256 tokens), bf16, hidden 4096.
+    # vLLM's RMSNorm block-size switch: block 1024 (< 256 tokens) vs 256 (>= 256 tokens), bf16, hidden 4096.
     x = _rows(64, 4096, seed=1234)
     s1024 = E.block_reduce(x, 1024, 8, square=True)
     s256 = E.block_reduce(x, 256, 8, square=True)

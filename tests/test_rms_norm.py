@@ -1,8 +1,8 @@
-"""The RMSNorm family: invariant kernels pass the seed-002 check bitwise, variant twins fail it,
+"""The RMSNorm family: invariant kernels pass the 255-vs-300-token check bitwise, variant twins fail it,
 all agree with the float64 reference, write every output element and nothing else, and
 refuse bad input with errors that name the argument.
 
-The seed-002 check: a 255-token and a 300-token batch whose first 255 rows are identical;
+The 255-vs-300-token check (the test of vLLM's RMSNorm block-size fix): a 255-token and a 300-token batch whose first 255 rows are identical;
 the first 255 rows of both outputs must be bit-identical (the variant switches its reduction
 block from 1024 to 256 between the two, the invariant kernel does not).
 
@@ -29,7 +29,7 @@ from batch_invariance_kit.verify.harness import bits, check_invariance, row_make
 
 DEV = batch_invariance_kit.DEVICE
 OP_NAMES = list(R.OPS)
-SMALL, LARGE = 255, 300  # seed 002: 255 < 256 <= 300 crosses vLLM's block-size threshold
+SMALL, LARGE = 255, 300  # 255 < 256 <= 300 crosses vLLM's block-size threshold
 H_MAIN = 1024
 STATIC_SCALE = 0.0125  # |y| up to ~5 -> |y/scale| up to ~400: most of the fp8 range, some clamping
 
@@ -75,7 +75,7 @@ def _out_specs(op, n, h, dtype):
 
 
 class _Batches:
-    """x and residual streams whose row r is the same at every batch size (seed 002 method)."""
+    """x and residual streams whose row r is the same at every batch size (the 255-vs-300-token method)."""
 
     def __init__(self, hidden, dtype):
         self.x = row_maker(hidden, dtype=dtype, device=DEV)
@@ -175,7 +175,7 @@ def test_in_kernel_conversions_are_ieee_round_to_nearest_even():
 
 
 # ---------------------------------------------------------------------------------------------
-# invariance: the seed-002 check
+# invariance: the 255-vs-300-token check
 # ---------------------------------------------------------------------------------------------
 
 _INV_CASES = [(torch.bfloat16, 16), (torch.float16, 8), (torch.float32, 8)]

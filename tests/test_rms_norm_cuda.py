@@ -1,7 +1,7 @@
 """The CUDA C++ RMSNorm family (csrc/rms_norm.cuh) and its emulation twin.
 
 CPU: the ops run on the emulator (kernels/ops/rms_norm_cuda.py), through the same launch policy
-as on the GPU.  Seed method (seed 002): batches of 255 and 300 tokens whose first 255 rows
+as on the GPU.  The 255-vs-300-token check of vLLM's RMSNorm fix: batches of 255 and 300 tokens whose first 255 rows
 are identical; the invariant impl must give those rows the same bits in both batches, and
 the variant impl (block size 512/1024 below 256 tokens, 256 above) must not (negative
 control).  GPU (marker ``gpu``, skipped without CUDA): CUDA bits == emulator bits, and the

@@ -1,18 +1,20 @@
-"""End-to-end GPU measurements (issue 7): the kit's Qwen3-style model served by
+"""End-to-end GPU measurements: the kit's Qwen3-style model served by
 :mod:`batch_invariance_kit.serving.engine` on a GPU, at sizes where default kernels do show batch variance.
 
 * :data:`DENSE`: hidden 2048, 8 layers, 16 q / 8 kv heads of dim 128, intermediate 6144, vocab
-  32768, bf16 (the size at which vLLM's default mode was seen to vary, see
-  ``shared/device/vllm``);
+  32768, bf16 (the size at which vLLM's default mode was seen to vary on the H200);
 * :data:`MOE`: hidden 2048, 4 layers, 32 q / 4 kv heads, 64 experts top-8 of intermediate 768.
 
-:func:`e2e_model` (the ``e2e_model`` part of ``python -m batch_invariance_kit.bench.parts``): for each model and
+:func:`e2e_model` (the ``e2e_model`` part of ``python -m batch_invariance_kit.validate``): for each model and
 each ``impl`` (variant, invariant), a request alone (bs1, no chunking, no prefix cache), then
 ``trials`` runs of :func:`batch_invariance_kit.serving.engine.load_experiment` (8 copies of that request among 48
 random fillers arriving at random steps, chunked prefill, prefix cache on): the number of
 distinct completions among all copies, as token sequences and as bitwise fp32 log-probability
 sequences, how many equal the bs1 run, the prefix-cache hits, and tokens/s of the whole serving
 loop (Python scheduling included; a serving-loop number, not a kernel benchmark).
+
+:func:`decoder_under_load` (chapter 1): the torch-only toy decoder of
+:mod:`batch_invariance_kit.serving.toy_decoder` on cuBLAS, one prompt under 14 loads.
 
 Weights: drawn on the GPU with a seeded ``torch.Generator`` (``seeded_normal`` on the CPU is
 far too slow for a billion parameters); :func:`build` returns the model and the same weights

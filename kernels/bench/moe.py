@@ -1,6 +1,6 @@
 """The MoE chapter's GPU measurements at Qwen3-30B-A3B shapes (128 experts, top-8, hidden 2048,
 expert intermediate 768, bf16).  Each function returns ``(rows, checks)`` in the shape of
-:mod:`batch_invariance_kit.report.results`; to be wired into ``python -m batch_invariance_kit.bench.parts`` as ``moe_*`` parts.
+:mod:`batch_invariance_kit.report.results`; :mod:`.parts` names them (the ``moe_*`` parts).
 
 * :func:`invariance`: a token alone vs the same token inside batches of 1..8192 tokens, uniform
   and skewed routing; the invariant MoE must never differ, the variant must differ somewhere;

@@ -1,6 +1,7 @@
-"""Chapter 3's GPU measurements: emulator vs CUDA bits, the seed-002 check for every op,
-rows flipped against the batch size, and the benchmark against ``torch.compile``.
-Called by ``python -m batch_invariance_kit.bench.parts``; each function returns ``(rows, checks)``."""
+"""Chapter 3's measurements: emulator vs CUDA bits, the 255-vs-300-token test of vLLM's RMSNorm
+fix for every op, rows flipped against the batch size, the benchmark against ``torch.compile``,
+and the CPU check of both backends.  Each function returns ``(rows, checks)``;
+:mod:`.parts` names them."""
 from __future__ import annotations
 
 import torch

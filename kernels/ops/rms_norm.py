@@ -1,6 +1,6 @@
 """The RMSNorm family: float64 references, batch-*variant* and batch-*invariant* Triton kernels.
 
-Five ops, the ones vLLM fixed for batch invariance (seed 002):
+Five ops, the ones vLLM fixed for batch invariance (its RMSNorm block-size fix):
 
 * ``rms_norm``: ``out = (dtype)((dtype)(x * s) * w)``, ``s = 1/sqrt(mean(x^2) + eps)``;
 * ``fused_add_rms_norm``: ``z = (dtype)(x + residual)``; ``residual <- z``; ``out = norm(z)``;
@@ -86,7 +86,7 @@ _RESIDUAL = {"fused_add_rms_norm", "fused_add_rms_norm_static_fp8_quant"}
 # --------------------------------------------------------------------------------------------
 
 def production_max_block(num_tokens: int, op: str = "rms_norm") -> int:
-    """vLLM's batch-dependent choice (seed 002): the bug the variant reproduces."""
+    """vLLM's batch-dependent block size (``num_tokens < 256 ? 1024 : 256``): the bug the variant reproduces."""
     if op == "rms_norm_per_block_quant":
         return 512 if num_tokens <= 256 else 256
     return 1024 if num_tokens < 256 else 256

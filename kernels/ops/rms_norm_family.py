@@ -1,5 +1,5 @@
 """One functional face for the RMSNorm family's two backends, used by chapter 3,
-``batch_invariance_kit.bench.parts`` and the benchmarks.
+the GPU measurements of :mod:`batch_invariance_kit.bench.rms_norm` and the tests.
 
 ``functional(backend, op, impl)`` returns ``f(x, residual) -> tuple of output tensors``
 that never writes its inputs: ``backend="triton"`` runs :mod:`batch_invariance_kit.ops.rms_norm` (compiled on
@@ -90,7 +90,7 @@ def rows_differing(a: tuple, b: tuple, rows: int) -> int:
 
 def seed_method(backend: str, op: str, impl: str, dtype: torch.dtype, hidden: int = 4096,
                 seeds=range(16), small: int = 255, large: int = 300) -> dict:
-    """Seed 002's regression test: rows of a ``small``-token batch vs the same rows at the
+    """The regression test of vLLM's RMSNorm block-size fix (255 vs 300 tokens): rows of a ``small``-token batch vs the same rows at the
     head of a ``large``-token batch, over ``seeds``; counts rows that differ."""
     f = functional(backend, op, impl)
     per_seed = []

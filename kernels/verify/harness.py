@@ -325,7 +325,8 @@ def row_maker(row_shape: Sequence[int] | int, *, dtype: torch.dtype = torch.floa
     """A ``make_batch`` whose row ``r`` is the same for every batch size and every machine.
 
     Row ``r`` of seed ``s`` is :func:`seeded_normal` of its own stream, so the batch of 300
-    starts with the batch of 255 (the seed 002 method); rows are cached per seed."""
+    starts with the batch of 255 (the 255-vs-300-token test of vLLM's RMSNorm fix); rows are
+    cached per seed."""
     if isinstance(row_shape, int):
         row_shape = (row_shape,)
     row_shape = tuple(int(s) for s in row_shape)
