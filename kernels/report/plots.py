@@ -75,24 +75,29 @@ def _label(impl: str) -> str:
     return impl.split(":")[0] if impl.startswith("kit-invariant:") else impl
 
 
-def speed_figure(rows: list[dict], family: str, x: str, panel: str | None = None, *,
+def speed_figure(rows: list[dict], family, x: str, panel=None, *,
                  xlabel: str | None = None, title: str = "", log2x: bool = True, ncols: int = 2,
                  height: float = 2.9):
     """The speed ratio of the invariant kernel and of each peer against the fastest
     non-invariant peer, over ``x`` (a key of the rows' ``params``), one panel per value of
     ``panel`` (another key, a tuple of keys, or None), with the family's goal of :data:`cost.GOALS` as a dashed
-    line over the cells it names.  Returns the figure."""
-    fam = [r for r in rows if r["family"] == family]
-    if not fam:
-        raise ValueError(f"family {family!r} has no rows in the stored results")
+    line over the cells it names.  ``family`` may be a list of families: one panel each.
+    Returns the figure."""
+    families = [family] if isinstance(family, str) else list(family)
+    fam = [r for r in rows if r["family"] in families]
+    for f in families:
+        if not any(r["family"] == f for r in fam):
+            raise ValueError(f"family {f!r} has no rows in the stored results")
     names = (panel,) if isinstance(panel, str) else tuple(panel or ())
-    pkey = lambda r: tuple(r["params"][p] for p in names)
-    keys = sorted({pkey(r) for r in fam})
+    if len(families) > 1:
+        names = ("family",) + names
+    pkey = lambda r: tuple(r["family"] if p == "family" else r["params"][p] for p in names)
+    keys = sorted({pkey(r) for r in fam}, key=lambda k: (families.index(k[0]),) + k[1:] if len(families) > 1 else k)
     n = len(keys)
     cols = min(ncols, n)
     nrows = math.ceil(n / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(WIDTH, height * nrows), sharey=True, squeeze=False)
-    goals = [g for g in cost.GOALS if g["family"] == family and g["metric"] != "fraction_of_copy"]
+    goals = [g for g in cost.GOALS if g["family"] in families and g["metric"] != "fraction_of_copy"]
     for ax, key in zip(axes.flat, keys):
         sub = sorted((r for r in fam if pkey(r) == key), key=lambda r: r["params"][x])
         xs = [r["params"][x] for r in sub]
@@ -106,7 +111,7 @@ def speed_figure(rows: list[dict], family: str, x: str, panel: str | None = None
             k = sorted(pts)
             ax.plot(k, [pts[i] for i in k], label=_label(name), **line_style(name, rank[role(name)]))
             rank[role(name)] += 1
-        for g in goals:
+        for g in (g for g in goals if g["family"] == sub[0]["family"]):
             scope = [r["params"][x] for r in sub if g["scope"](r["params"])]
             if scope:
                 ax.hlines(g["threshold"], min(scope), max(scope), color=COLORS["goal"], ls="--", lw=1.2,
@@ -116,9 +121,11 @@ def speed_figure(rows: list[dict], family: str, x: str, panel: str | None = None
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [f"{v // 1024}k" if v >= 1024 and v % 1024 == 0 else str(v) for v in xs])
             ax.minorticks_off()
+            if len(xs) > 8:
+                ax.tick_params(axis="x", labelrotation=50, labelsize=8)
         ax.set_xlabel(xlabel or x)
         if names:
-            ax.set_title(", ".join(f"{p} {v}" for p, v in zip(names, key)))
+            ax.set_title(", ".join(str(v) if p == "family" else f"{p} {v}" for p, v in zip(names, key)))
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
@@ -179,3 +186,101 @@ def _numeric(s: str) -> bool:
         return True
     except ValueError:
         return s in ("-", "")
+
+
+def cost_overview(rows: list[dict]):
+    """Every cell of every family of :func:`cost.summary` as one point at its speed ratio, with
+    the families' goals (dashed) over the families they apply to.  Filled: a cell inside a goal's
+    scope; hollow: outside any speed-ratio goal; a cross: not like-for-like (eager against
+    compiled).  Returns the figure."""
+    fams = [f for f in cost.FAMILIES if any(r["family"] == f for r in rows)]
+    if not fams:
+        raise ValueError("rows holds no family of cost.FAMILIES")
+    goals = [g for g in cost.GOALS if g["metric"] != "fraction_of_copy" and g["family"] in fams]
+    in_scope = lambda r: any(g["family"] == r["family"] and g["scope"](r["params"]) for g in goals)
+    fig, ax = plt.subplots(figsize=(WIDTH, 4.2))
+    c = COLORS["invariant"]
+    for i, fam in enumerate(fams):
+        fr = [r for r in rows if r["family"] == fam]
+        xs = [i + d for d in ((k / max(1, len(fr) - 1) - 0.5) * 0.56 for k in range(len(fr)))] if len(fr) > 1 else [i]
+        for x, r in zip(xs, fr):
+            odd = not r.get("like_for_like", True)
+            ax.scatter(x, r["speed_ratio"], s=26, marker="x" if odd else "o", color=c,
+                       facecolors=c if (in_scope(r) or odd) else "none", linewidths=1.2)
+        for g in (g for g in goals if g["family"] == fam):
+            ax.hlines(g["threshold"], i - 0.4, i + 0.4, color=COLORS["goal"], ls="--", lw=1.3)
+    ax.axhline(1.0, color=COLORS["goal"], lw=0.7)
+    ax.set_yscale("log")
+    ticks = [0.25, 0.5, 0.75, 1, 1.5, 2]
+    ax.set_yticks(ticks, [str(t) for t in ticks])
+    ax.yaxis.set_minor_formatter(mpl.ticker.NullFormatter())
+    ax.set_xticks(range(len(fams)), [f.replace("_", "_\n", 1).replace(" ", "\n", 1) for f in fams], fontsize=8)
+    ax.set_ylabel("speed ratio (higher is better)")
+    ax.scatter([], [], marker="o", color=c, label="cell inside a goal's scope")
+    ax.scatter([], [], marker="o", facecolors="none", color=c, label="cell outside any speed-ratio goal")
+    ax.scatter([], [], marker="x", color=c, label="not like-for-like (eager vs compiled)")
+    ax.plot([], [], color=COLORS["goal"], ls="--", label="goal, over its family")
+    fig.legend(loc="outside lower center", ncols=2, frameon=False)
+    ax.grid(axis="x", visible=False)
+    return fig
+
+
+def copy_fraction_figure(rows: list[dict]):
+    """The fastest invariant RMSNorm kernels as a fraction of the copy bandwidth, against the
+    token count, with the copy-bandwidth goal of :data:`cost.GOALS` over its scope."""
+    goals = [g for g in cost.GOALS if g["metric"] == "fraction_of_copy"]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.2))
+    for j, g in enumerate(goals):
+        fr = sorted((r for r in rows if r["family"] == g["family"]), key=lambda r: r["params"]["tokens"])
+        if not fr:
+            continue
+        t = [r["params"]["tokens"] for r in fr]
+        ax.plot(t, [r["fraction_of_copy"] for r in fr], label=g["family"],
+                **line_style("kit-invariant", j))
+        lo = min(r["params"]["tokens"] for r in fr if g["scope"](r["params"]))
+        ax.hlines(g["threshold"], lo, max(t), color=COLORS["goal"], ls="--", lw=1.3,
+                  label=f"goal: {g['short']}" if j == 0 else None)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens (hidden 4096, bf16)")
+    ax.set_ylabel("fraction of copy bandwidth")
+    ax.legend(loc="lower right")
+    return fig
+
+
+def engine_bars(e2e: dict | None, vllm: dict | None):
+    """Tokens per second of the kit's serving loop (variant against invariant kernels) and of
+    vLLM per mode, one panel each (hatched: run eagerly)."""
+    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.2))
+    if e2e:
+        models = list(dict.fromkeys(r["model"] for r in e2e["rows"]))
+        impls = list(dict.fromkeys(r["impl"] for r in e2e["rows"]))
+        w = 0.8 / len(impls)
+        for j, impl in enumerate(impls):
+            v = [next(r["tokens_per_s"] for r in e2e["rows"] if r["model"] == m and r["impl"] == impl) for m in models]
+            axes[0].bar([i + (j - (len(impls) - 1) / 2) * w for i in range(len(models))], v, w, label=impl,
+                        color=COLORS[role(impl)])
+        axes[0].set_xticks(range(len(models)), models)
+        axes[0].set_ylabel("tokens/s under load")
+        axes[0].set_title("kit serving loop (one run)")
+        axes[0].legend(fontsize=8)
+    if vllm:
+        tp = [r for r in vllm["rows"] if r["op"] == "vllm_throughput"]
+        models = list(dict.fromkeys(r["model"] for r in tp))
+        modes = list(dict.fromkeys(r["impl"] for r in tp))
+        w = 0.8 / len(modes)
+        for j, mode in enumerate(modes):
+            sel = [next(r for r in tp if r["model"] == m and r["impl"] == mode) for m in models]
+            eager = any(r["engine"].get("enforce_eager") for r in sel)
+            colour = COLORS["peer"] if mode == "default" else COLORS["invariant"]
+            axes[1].bar([i + (j - (len(modes) - 1) / 2) * w for i in range(len(models))],
+                        [r["output_tokens_per_s"] for r in sel], w, color=colour, edgecolor="white",
+                        hatch="//" if eager else None, alpha=1.0 if mode != "kit" else 0.7,
+                        label=mode + (" (eager)" if eager else ""))
+        axes[1].set_xticks(range(len(models)), models)
+        axes[1].set_ylabel("output tokens/s")
+        axes[1].set_title(f"vLLM {vllm['provenance'].get('vllm')} (one run per mode)")
+        axes[1].legend(fontsize=8)
+    for a in axes:
+        a.grid(axis="x", visible=False)
+        a.set_ylim(top=a.get_ylim()[1] * 1.3)  # room for the legend above the bars
+    return fig
