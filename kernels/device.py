@@ -14,13 +14,25 @@ import torch
 
 HAS_CUDA: bool = torch.cuda.is_available()
 
-if "triton" in sys.modules and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError(
-        "triton was imported before batch_invariance_kit.device on a machine without CUDA: "
-        "import batch_invariance_kit first, or set TRITON_INTERPRET=1"
-    )
-if not HAS_CUDA:
+#: ``True`` when another package imported triton before this module on a machine without CUDA
+#: (vLLM's CPU build does, before it loads the kit's plugin): Triton's own library functions were
+#: then built for its compiler, so the kit's Triton kernels cannot run in this process
+#: (:func:`require_triton` says so when :mod:`batch_invariance_kit.ops` is imported); the rest of
+#: the kit works.
+TRITON_IMPORTED_FIRST: bool = ("triton" in sys.modules and not HAS_CUDA
+                               and os.environ.get("TRITON_INTERPRET") != "1")
+if not HAS_CUDA and not TRITON_IMPORTED_FIRST:
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def require_triton() -> None:
+    """Raise when the kit's Triton kernels cannot run in this process (see ``TRITON_IMPORTED_FIRST``)."""
+    if TRITON_IMPORTED_FIRST:
+        raise RuntimeError(
+            "triton was imported before batch_invariance_kit.device on a machine without CUDA: "
+            "import batch_invariance_kit first, or set TRITON_INTERPRET=1"
+        )
+
 
 #: ``True`` when Triton kernels run under the interpreter (no GPU).
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"

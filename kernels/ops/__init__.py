@@ -7,3 +7,6 @@ from the batch, as production kernels do) and its *invariant* implementation.
 * :mod:`.attention`: paged attention with split sizes fixed per position;
 * :mod:`.override`: ``torch.library`` override mode that routes a model's torch ops to the kit.
 """
+from ..device import require_triton as _require_triton
+
+_require_triton()
