@@ -36,6 +36,40 @@ def tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES,
     return t
 
 
+def kernel_device(name: str, t: torch.Tensor) -> None:
+    """The kit's Triton kernels run on :data:`batch_invariance_kit.device.DEVICE` (compiled on a
+    GPU, interpreted on a CPU): a tensor anywhere else is a ValueError naming ``name``."""
+    from .device import DEVICE, INTERPRET
+
+    if t.device.type != DEVICE.type:
+        where = "under the Triton interpreter" if INTERPRET else "for the compiled Triton kernels"
+        raise ValueError(f"{name} must be on {DEVICE.type} {where}, got {t.device}")
+
+
+def shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two non-empty tensors on one device live in the same storage."""
+    if x.numel() == 0 or y.numel() == 0 or x.device != y.device:
+        return False
+    return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+
+
+def output(name: str, t, shape, dtype: torch.dtype, like: torch.Tensor, *, like_name: str = "x",
+           contiguous: bool = True, inputs=()) -> torch.Tensor:
+    """An op's output argument: ``None`` gives a fresh tensor of ``shape`` and ``dtype`` on
+    ``like``'s device; a tensor must have that dtype, shape and device (and be contiguous when
+    ``contiguous``) and share no memory with any ``(name, tensor)`` of ``inputs``."""
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    tensor(name, t, dtypes=(dtype,), contiguous=contiguous, nonempty=False)
+    same_device(name, t, like_name, like)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    for other, x in inputs:
+        if x is not None and shares_memory(t, x):
+            raise ValueError(f"{name} must not share memory with {other}")
+    return t
+
+
 def same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} dtype {dtype_name(t.dtype)} must match {ref_name} dtype {dtype_name(ref.dtype)}")

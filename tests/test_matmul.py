@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import batch_invariance_kit
+from batch_invariance_kit.checks import dtype_name
 from batch_invariance_kit.ops import matmul as MM
 from batch_invariance_kit.verify.guard import Guarded
 from batch_invariance_kit.verify.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
@@ -25,8 +26,7 @@ OPS = ["mm", "addmm", "linear", "bmm"]
 PERSISTENT = MM.MMConfig("persistent", 128, 128, num_warps=8, num_stages=3, group_m=8, persistent=True)
 
 
-def _name(dt):
-    return str(dt).replace("torch.", "")
+_name = dtype_name  # test ids: "bfloat16", ...
 
 
 def _weights(dtype, n=N, k=K, seed=2):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import batch_invariance_kit
+from batch_invariance_kit.checks import dtype_name
 from batch_invariance_kit.ops import moe
 from batch_invariance_kit.verify.guard import Guarded
 from batch_invariance_kit.verify.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
@@ -21,8 +22,7 @@ E, TOPK, H, INTER = 8, 2, 64, 32
 SIZES = [1, 2, 7, 9, 17, 33, 65, 130, 260]
 
 
-def _name(dt):
-    return str(dt).replace("torch.", "")
+_name = dtype_name  # test ids: "bfloat16", ...
 
 
 def _weights(dtype, e=E, h=H, inter=INTER, seed=10, hot=False):

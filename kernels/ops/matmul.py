@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import checks
-from ..device import DEVICE, INTERPRET
+from ..device import INTERPRET
 
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
@@ -255,7 +255,7 @@ def launch_info(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, 
     tiles = batch * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     persistent = cfg.persistent and programs_k == 1
     progs = _num_programs_persistent(tiles) if persistent and tiles else tiles
-    return {"impl": impl, "M": M, "N": N, "K": K, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
+    return {"impl": impl, "M": M, "N": N, "K": K, "batch": batch, "dtype": checks.dtype_name(dtype),
             "config": cfg.name, "block_m": cfg.block_m, "block_n": cfg.block_n, "block_k": bk,
             "split_k": split, "k_blocks": triton.cdiv(K, bk) if K else 0, "persistent": persistent,
             "k_chunk": chunk_blocks * bk or K, "chunk_programs": programs_k if impl != "variant" else 1,
@@ -578,28 +578,12 @@ def _check_pair(a, b, a_name, b_name, impl, dim):
     checks.tensor(b_name, b, dim=dim, contiguous=False, nonempty=False)
     checks.same_dtype(b_name, b, a_name, a)
     checks.same_device(b_name, b, a_name, a)
-    if impl in ("invariant", "variant") and a.device.type != DEVICE.type:
-        where = "under the Triton interpreter" if INTERPRET else "for the compiled Triton kernels"
-        raise ValueError(f"{a_name} must be on {DEVICE.type} {where}, got {a.device}")
-
-
-def _shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
-    if x.numel() == 0 or y.numel() == 0 or x.device != y.device:
-        return False
-    return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+    if impl in ("invariant", "variant"):
+        checks.kernel_device(a_name, a)
 
 
 def _check_out(out, shape, like, inputs):
-    if out is None:
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
-    checks.tensor("out", out, dtypes=(like.dtype,), contiguous=False, nonempty=False)
-    checks.same_device("out", out, "a", like)
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    for name, t in inputs:
-        if t is not None and _shares_memory(out, t):
-            raise ValueError(f"out must not share memory with {name}")
-    return out
+    return checks.output("out", out, shape, like.dtype, like, like_name="a", contiguous=False, inputs=inputs)
 
 
 def _check_bias(bias, name, shape, a):

@@ -56,7 +56,7 @@ import torch
 
 from .. import checks
 from . import matmul as MM
-from ..device import DEVICE, INTERPRET
+from ..device import INTERPRET
 
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
@@ -254,17 +254,12 @@ def _check_options(scoring, renormalize):
 
 
 def _on_kernel_device(name, t, impl):
-    if impl in ("invariant", "variant") and t.device.type != DEVICE.type:
-        where = "under the Triton interpreter" if INTERPRET else "for the compiled Triton kernels"
-        raise ValueError(f"{name} must be on {DEVICE.type} {where}, got {t.device}")
+    if impl in ("invariant", "variant"):
+        checks.kernel_device(name, t)
 
 
 def _check_out(name, t, shape, dtype, like):
-    checks.tensor(name, t, dtypes=(dtype,), nonempty=False)
-    checks.same_device(name, t, "the input", like)
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    return t
+    return checks.output(name, t, shape, dtype, like, like_name="the input")
 
 
 def reference_route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True):

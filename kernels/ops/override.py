@@ -298,12 +298,6 @@ def launch_rows(kind: str, x2: torch.Tensor, out: torch.Tensor, impl: str = "inv
         x2, out, part, R, L, splits, cfg["num_chunks"], LOG_SOFTMAX=lsm, BLOCK=block, ROWS=rows, num_warps=warps)
 
 
-def _check_device(name, x):
-    if x.device.type != DEVICE.type:
-        where = "under the Triton interpreter" if INTERPRET else "for the compiled Triton kernels"
-        raise ValueError(f"{name} must be on {DEVICE.type} {where}, got {x.device}")
-
-
 def _check_row_impl(impl):
     if impl not in ("invariant", "variant", "reference"):
         raise ValueError(f"impl must be 'invariant', 'variant' or 'reference', got {impl!r}")
@@ -333,7 +327,7 @@ def log_softmax(x, dim=-1, *, half_to_float=False, impl="invariant"):
     out_dtype = torch.float32 if half_to_float else x.dtype
     if impl == "reference":
         return torch.log_softmax(x.double(), dim).to(out_dtype)
-    _check_device("x", x)
+    checks.kernel_device("x", x)
     xr = x.movedim(dim, -1).contiguous()
     out = torch.empty(xr.shape, dtype=out_dtype, device=x.device)
     L = xr.shape[-1]
@@ -375,7 +369,7 @@ def mean(x, dim=None, keepdim=False, *, dtype=None, impl="invariant"):
     out_shape = [1 if d in red else x.shape[d] for d in range(x.dim())] if keepdim else kept_shape
     if impl == "reference":
         return x.double().mean(red, keepdim=keepdim).to(out_dtype)
-    _check_device("x", x)
+    checks.kernel_device("x", x)
     L = math.prod(x.shape[d] for d in red)
     R = math.prod(kept_shape)
     out = torch.empty(R, dtype=out_dtype, device=x.device)

@@ -37,7 +37,7 @@ import math
 import torch
 
 from .. import checks
-from ..device import DEVICE, INTERPRET
+from ..device import INTERPRET
 
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
@@ -151,7 +151,7 @@ def launch_config(num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloa
         "impl": "invariant" if invariant else "variant",
         "num_tokens": num_tokens,
         "hidden": hidden,
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": checks.dtype_name(dtype),
         "max_block": max_block,
         "block": block,
         "num_chunks": triton.cdiv(hidden, block),
@@ -369,32 +369,21 @@ def _check_inputs(x, weight, eps, impl, residual=None, scale=None, group_size=No
     eps = checks.positive_float("eps", eps)
     if not math.isfinite(eps):
         raise ValueError(f"eps must be finite, got {eps!r}")
-    if impl != "reference" and x.device.type != DEVICE.type:
-        where = "under the Triton interpreter" if INTERPRET else "for the compiled Triton kernels"
-        raise ValueError(f"x must be on {DEVICE.type} {where}, got {x.device}")
+    if impl != "reference":
+        checks.kernel_device("x", x)
     if x.device.type not in ("cpu", "cuda"):
         raise ValueError(f"x must be on cpu or cuda, got {x.device}")
     return eps
 
 
-def _output(name, t, shape, dtype, like):
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=like.device)
-    checks.tensor(name, t, dtypes=(dtype,))
-    checks.same_device(name, t, "x", like)
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    return t
-
-
 def _run(op, x, weight, eps, impl, *, residual=None, scale=None, group_size=128,
          out=None, residual_out=None, scales_out=None):
     q = _QUANT[op]
-    out = _output("out", out, x.shape, x.dtype if q == 0 else FP8_DTYPE, x)
+    out = checks.output("out", out, x.shape, x.dtype if q == 0 else FP8_DTYPE, x)
     if residual is not None:
-        residual_out = _output("residual_out", residual_out, x.shape, x.dtype, x)
+        residual_out = checks.output("residual_out", residual_out, x.shape, x.dtype, x)
     if q == 2:
-        scales_out = _output("scales_out", scales_out, (x.shape[0], x.shape[1] // group_size),
+        scales_out = checks.output("scales_out", scales_out, (x.shape[0], x.shape[1] // group_size),
                              torch.float32, x)
     results = [out] + ([scales_out] if q == 2 else []) + ([residual_out] if residual is not None else [])
     if impl == "reference":

@@ -430,7 +430,7 @@ def gpu_crosscheck(rows: int = 1000, hiddens=(2048, 4096, 5120),
                             row_diff |= d.any(dim=1)
                             elems += int(d.sum())
                         results.append({
-                            "op": op, "hidden": hidden, "dtype": str(dtype).replace("torch.", ""),
+                            "op": op, "hidden": hidden, "dtype": checks.dtype_name(dtype),
                             "block_size": block, "x_offset": x_off,
                             "residual_offset": r_off if op in _FUSED else None,
                             "rows": rows, "rows_differing": int(row_diff.sum()),

@@ -14,6 +14,7 @@ import torch
 
 from . import rms_norm as tri
 from . import rms_norm_cuda as cu
+from ..checks import dtype_name
 from ..verify.harness import bits, seeded_normal
 
 OPS = tuple(tri.OPS)
@@ -100,7 +101,7 @@ def seed_method(backend: str, op: str, impl: str, dtype: torch.dtype, hidden: in
         a = f(x[:small], w, None if res is None else res[:small])
         b = f(x, w, res)
         per_seed.append(rows_differing(a, b, small))
-    return {"backend": backend, "op": op, "impl": impl, "dtype": str(dtype).replace("torch.", ""),
+    return {"backend": backend, "op": op, "impl": impl, "dtype": dtype_name(dtype),
             "hidden": hidden, "small": small, "large": large, "seeds": len(per_seed),
             "rows_differing": sum(per_seed), "seeds_with_difference": sum(c > 0 for c in per_seed),
             "rows_compared": small * len(per_seed)}
