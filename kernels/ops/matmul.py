@@ -264,7 +264,7 @@ def launch_info(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, 
             "split_chunks": programs_k > 1 and impl != "variant"}
 
 
-from .tl_numerics import from_f32, to_f32  # noqa: E402  (the exact fp32 <-> 16-bit moves)
+from .tl_numerics import dot_acc, from_f32, to_f32  # noqa: E402  (exact fp32 <-> 16-bit moves, the tile product)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,12 +310,7 @@ def _ptr_step(a_base, b_base, acc, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K: t
     kk = k.to(tl.int64)
     a = tl.load(a_base + kk[None, :] * s_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
     b = tl.load(b_base + kk[:, None] * s_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-    if UPCAST:  # interpreter: exact fp32 tiles (its tl.dot misreads bf16)
-        a = to_f32(a)
-        b = to_f32(b)
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+    return dot_acc(a, b, acc, UPCAST)
 
 
 @triton.jit
@@ -392,15 +387,10 @@ def _tma_step(a_desc, b_desc, acc, kb, off_m, off_n, BLOCK_K: tl.constexpr, BLOC
         b = b_desc.load([kb * BLOCK_K, off_n])
     else:  # B given as its (N, K) transpose with unit K stride (a linear layer's weight)
         b = b_desc.load([off_n, kb * BLOCK_K]).T
-    if UPCAST:
-        a = to_f32(a)
-        b = to_f32(b)
-        if not B_KN:  # interpreter only: numpy's matmul rounds a transposed (F-ordered) operand
-            # differently from a C-ordered one; a reshape round trip hands it C order
-            b = tl.reshape(tl.reshape(b, (BLOCK_K * BLOCK_N,)), (BLOCK_K, BLOCK_N))
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+    if UPCAST and not B_KN:  # interpreter only: numpy's matmul rounds a transposed (F-ordered)
+        # operand differently from a C-ordered one; a reshape round trip hands it C order
+        b = tl.reshape(tl.reshape(to_f32(b), (BLOCK_K * BLOCK_N,)), (BLOCK_K, BLOCK_N))
+    return dot_acc(a, b, acc, UPCAST)
 
 
 @triton.jit

@@ -61,7 +61,7 @@ from ..device import INTERPRET
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
-from .tl_numerics import from_f32, to_f32  # noqa: E402
+from .tl_numerics import dot_acc, from_f32, to_f32  # noqa: E402
 
 __all__ = [
     "IMPLS",
@@ -409,21 +409,10 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expe
             a = tl.load(a_base + kk[None, :] * s_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             wmask = mask_k[:, None] & mask_n[None, :]
             b = tl.load(w_base + kk[:, None] * s_wk, mask=wmask, other=0.0)
-            if UPCAST:
-                a = to_f32(a)
-                b = to_f32(b)
-            if a.dtype == tl.float32:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = dot_acc(a, b, acc, UPCAST)
             if FUSE_SILU:
                 bu = tl.load(w_base + N * s_wn + kk[:, None] * s_wk, mask=wmask, other=0.0)
-                if UPCAST:
-                    bu = to_f32(bu)
-                if a.dtype == tl.float32:
-                    acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-                else:
-                    acc_u = tl.dot(a, bu, acc_u)
+                acc_u = dot_acc(a, bu, acc_u, UPCAST)
         rows = ids.to(tl.int64)
         mask = mask_m[:, None] & mask_n[None, :]
         if SPLIT_K == 1:

@@ -1,4 +1,5 @@
-"""Triton helpers shared by the kit's kernels: exact moves between 16-bit floats and fp32.
+"""Triton helpers shared by the kit's kernels: exact moves between 16-bit floats and fp32, and
+the tile product every GEMM of the kit accumulates with.
 
 The Triton interpreter's own bf16 casts are unsafe (its fp32 -> bf16 cast truncates, and
 bf16 subnormals are mangled), so bf16 travels through its bits; on a GPU these compile to the
@@ -29,3 +30,18 @@ def from_f32(v, DTYPE: tl.constexpr):
         return v.to(tl.float16)
     else:
         return v
+
+
+@triton.jit
+def dot_acc(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b`` accumulated in fp32.  ``UPCAST`` (the Triton interpreter, whose ``tl.dot``
+    misreads bf16 tiles): the tiles are widened to fp32 first, exactly (a product of two 16-bit
+    floats fits in fp32).  fp32 tiles multiply in IEEE fp32 (``input_precision="ieee"``: never
+    TF32); 16-bit tiles go to the tensor cores."""
+    if UPCAST:
+        a = to_f32(a)
+        b = to_f32(b)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
