@@ -1,0 +1,497 @@
+"""The kit as a vLLM general plugin: batch-invariant vLLM through vLLM's public extension points.
+
+Installed with the kit (``pyproject.toml``: entry point ``batch_invariance_kit`` in the group
+``vllm.general_plugins``), vLLM calls :func:`register` in every process it starts.  The plugin
+is inert unless ``KIT_BATCH_INVARIANT=1``.  Switched on, it replaces every batch-variant op of
+the model before the model is built:
+
+CPU (vLLM's CPU build)
+    * **linear layers and the lm_head**: ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``
+      (vLLM calls it once per layer after the weights are loaded to choose that layer's GEMM:
+      oneDNN, a packed-weight kernel or ``F.linear``, by shape and CPU) is replaced by one that
+      gives every 2-D layer :func:`tiled_linear`: the rows are cut into tiles of ``TILE_M`` rows
+      (the last one padded with zeros), so the GEMM library only ever sees one shape per layer,
+      whatever the batch.  Its blocking, K order and threading are a function of that shape.
+      The one property a shape cannot fix, that a row's bits do not depend on its place in the
+      tile, is checked once per (N, K, dtype) by :func:`tile_is_position_free` on the present
+      CPU; a shape that fails it runs one row per GEMM (``tile_m = 1``).
+    * **RMSNorm** (plain and fused residual-add): ``CustomOp.register_oot`` makes every
+      ``RMSNorm(...)`` of the model a :class:`KitRMSNorm` whose ``forward``, ``forward_native``
+      and ``forward_cpu`` all run :func:`rms_norm_fixed_tree`: the sum of squares of a row is a
+      fixed pairwise tree of elementwise fp32 additions (the row padded with zeros to a power of
+      two), so each row's bits are those of the row alone by construction.
+    * **attention**: vLLM's CPU attention splits a long KV sequence into chunks chosen from the
+      batch (``VLLM_CPU_ATTN_SPLIT_KV``, on by default); the plugin sets
+      ``VLLM_CPU_ATTN_SPLIT_KV=0`` so that every query reduces its keys in one fixed order.  The
+      kit's own backend (``batch_invariance_kit.vllm.attention_backend.KitAttentionBackend``, the
+      kit's Triton attention) replaces ``CPU_ATTN`` through ``register_backend`` only when
+      ``KIT_ATTENTION=1``: vLLM's CPU build imports Triton before it loads plugins, so Triton is
+      not in interpreter mode in that process unless ``TRITON_INTERPRET=1`` was set before vLLM
+      started, and the interpreter is far too slow for a 30-layer model.
+    * **MoE experts**: ``CustomOp.register_oot`` replaces ``UnquantizedFusedMoEMethod`` by
+      :class:`KitCPUMoEMethod` (its ``apply`` runs each expert's tokens through
+      :func:`tiled_linear`, SiLU-and-mul, and sums the top-k outputs of a token in fp32 in rank
+      order).  vLLM's router (a linear layer: tiled) and its softmax/top-k (one row at a time)
+      feed it.
+
+CUDA (vLLM 0.26)
+    The kit's Triton kernels: every ``RMSNorm`` runs :mod:`batch_invariance_kit.ops.rms_norm`
+    (torch custom ops ``kit_vllm::rms_norm`` / ``kit_vllm::fused_add_rms_norm`` with fake
+    implementations, so torch.compile sees opaque ops), the unquantized MoE method runs
+    :mod:`batch_invariance_kit.ops.moe` from vLLM's router logits.  Linear layers and attention are
+    vLLM's own batch-invariant ones: the plugin sets ``VLLM_BATCH_INVARIANT=1``.  The kit's
+    attention backend, when present and ``KIT_ATTENTION`` is not ``0``, is registered as vLLM's
+    ``CUSTOM`` backend (chosen with ``attention_config={"backend": "CUSTOM"}``).
+
+What ran is recorded: each replacement counts its calls, and with ``KIT_PLUGIN_REPORT=DIR`` every
+process writes ``DIR/plugin-<pid>.json`` (plain JSON: the platform, the replacements registered,
+the per-shape tile decisions and the call counters; rewritten at most every
+``REPORT_INTERVAL_S`` seconds and at exit).  :func:`read_report` merges the files.  Nothing needs
+an in-process engine or insecure serialization.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ENV_SWITCH = "KIT_BATCH_INVARIANT"
+ENV_REPORT = "KIT_PLUGIN_REPORT"
+ENV_ATTENTION = "KIT_ATTENTION"
+ENV_TILE_M = "KIT_TILE_M"
+#: Rows per GEMM tile on the CPU (``KIT_TILE_M`` overrides it).
+TILE_M = 16
+REPORT_INTERVAL_S = 1.0
+
+#: Calls of each replacement in this process.
+CALLS: dict = {}
+#: What :func:`register` installed in this process (name -> description).
+REPLACEMENTS: dict = {}
+#: ``"N x K dtype" -> tile_m`` decided by :func:`tile_is_position_free`.
+TILES: dict = {}
+_STATE = {"registered": False, "platform": None, "last_write": 0.0}
+_LOCK = threading.Lock()
+
+
+def enabled(environ=None) -> bool:
+    """``True`` when ``KIT_BATCH_INVARIANT`` is ``1`` (the only switch; anything else: inert)."""
+    value = (os.environ if environ is None else environ).get(ENV_SWITCH, "0")
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{ENV_SWITCH} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def tile_m(environ=None) -> int:
+    value = (os.environ if environ is None else environ).get(ENV_TILE_M)
+    if value is None:
+        return TILE_M
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{ENV_TILE_M} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+
+def count(name: str) -> None:
+    CALLS[name] = CALLS.get(name, 0) + 1
+    if os.environ.get(ENV_REPORT) and time.monotonic() - _STATE["last_write"] > REPORT_INTERVAL_S:
+        write_report()
+
+
+def snapshot() -> dict:
+    return {"pid": os.getpid(), "platform": _STATE["platform"], "replacements": dict(REPLACEMENTS),
+            "tiles": dict(TILES), "calls": dict(CALLS)}
+
+
+def write_report() -> None:
+    """Write this process's counters to ``$KIT_PLUGIN_REPORT/plugin-<pid>.json`` (atomically)."""
+    folder = os.environ.get(ENV_REPORT)
+    if not folder:
+        return
+    with _LOCK:
+        _STATE["last_write"] = time.monotonic()
+        path = Path(folder) / f"plugin-{os.getpid()}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(snapshot(), indent=1))
+        os.replace(tmp, path)
+
+
+def read_report(folder) -> dict:
+    """Merge the per-process files of a report folder: the summed call counters, the union of
+    replacements and tile decisions, and the processes that wrote one."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a path, got {type(folder).__name__}")
+    merged = {"processes": 0, "platforms": [], "replacements": {}, "tiles": {}, "calls": {}}
+    for path in sorted(Path(folder).glob("plugin-*.json")):
+        doc = json.loads(path.read_text())
+        merged["processes"] += 1
+        if doc.get("platform") not in merged["platforms"]:
+            merged["platforms"].append(doc.get("platform"))
+        merged["replacements"].update(doc.get("replacements") or {})
+        merged["tiles"].update(doc.get("tiles") or {})
+        for k, v in (doc.get("calls") or {}).items():
+            merged["calls"][k] = merged["calls"].get(k, 0) + v
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU replacements: fixed-shape GEMM tiles and a fixed reduction tree
+# ---------------------------------------------------------------------------------------------
+
+def _check_2d_weight(weight: torch.Tensor) -> None:
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+
+
+def tile_is_position_free(weight: torch.Tensor, tm: int, seed: int = 0) -> bool:
+    """Does a ``(tm, K) @ (K, N)`` GEMM give each row the same bits wherever it sits in the tile?
+
+    One random tile and its rows rotated by 1 and by ``tm // 2 + 1``: every output row must be
+    bitwise the row of the unrotated tile.  (The shape is fixed, so this is the only way the
+    batch could still reach a row's bits.)"""
+    _check_2d_weight(weight)
+    if tm == 1:
+        return True
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tm, weight.shape[1], generator=g).to(weight.dtype)
+    y = torch.mm(x, weight.t())
+    for shift in sorted({1, tm // 2 + 1}):
+        if not torch.equal(torch.mm(torch.roll(x, shift, 0), weight.t()), torch.roll(y, shift, 0)):
+            return False
+    return True
+
+
+def tile_for(weight: torch.Tensor) -> int:
+    """The tile height for this weight's shape and dtype (decided once, recorded in ``TILES``)."""
+    key = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).replace('torch.', '')}"
+    if key not in TILES:
+        tm = tile_m()
+        TILES[key] = tm if tile_is_position_free(weight, tm) else 1
+    return TILES[key]
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 tm: int | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with every GEMM of shape ``(tm, K) @ (K, N)``, whatever ``x``'s rows.
+
+    ``x``: ``(..., K)``; ``weight``: ``(N, K)``; the bias is added afterwards (elementwise: no
+    reduction).  Rows are cut into tiles of ``tm`` (default :func:`tile_for`), the last tile
+    padded with zero rows; each output row depends only on its input row."""
+    _check_2d_weight(weight)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x's last dimension ({x.shape[-1]}) must equal weight's K ({weight.shape[1]})")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x ({x.dtype}) and weight ({weight.dtype}) must have one dtype")
+    tm = tile_for(weight) if tm is None else tm
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    m, n = x2.shape[0], weight.shape[0]
+    out = x2.new_empty(m, n)
+    wt = weight.t()
+    full = m - m % tm
+    for s in range(0, full, tm):
+        torch.mm(x2[s:s + tm], wt, out=out[s:s + tm])
+    if full < m:
+        pad = x2.new_zeros(tm, x2.shape[1])
+        pad[: m - full] = x2[full:]
+        out[full:] = torch.mm(pad, wt)[: m - full]
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.reshape(*lead, n)
+
+
+def tree_sum_last(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension by a fixed pairwise tree of elementwise additions.
+
+    The row is padded with zeros to a power of two, then halved ``log2`` times (``v[..., :h] +
+    v[..., h:]``): every addition is one IEEE operation on two known operands, so a row's sum is
+    the same bits whatever other rows the tensor holds.  Returns ``(..., 1)``."""
+    n = v.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()
+    if p != n:
+        v = torch.nn.functional.pad(v, (0, p - n))
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = v[..., :h] + v[..., h:]
+    return v
+
+
+def rms_norm_fixed_tree(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                        residual: torch.Tensor | None = None):
+    """vLLM's RMSNorm semantics (fp32 math, residual added in fp32 and returned in ``x``'s
+    dtype) with the row's sum of squares taken by :func:`tree_sum_last`."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    orig = x.dtype
+    xf = x.to(torch.float32)
+    if residual is not None:
+        xf = xf + residual.to(torch.float32)
+        new_residual = xf.to(orig)
+    var = tree_sum_last(xf * xf) / x.shape[-1]
+    y = xf * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y.to(weight.dtype) * weight
+    y = y.to(orig)
+    return y if residual is None else (y, new_residual)
+
+
+def moe_experts_tiled(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """Experts of a top-k MoE, one fixed-shape path: for each expert, its tokens' rows through
+    :func:`tiled_linear` with ``w13[e]`` (gate rows then up rows), SiLU(gate) * up, then
+    ``w2[e]``; a token's output is the sum over its k choices in rank order, in fp32, weighted by
+    ``topk_weights``.  No reduction crosses tokens."""
+    T, k = topk_ids.shape
+    out = torch.zeros(T, w2.shape[1], dtype=torch.float32)
+    ys = torch.zeros(T, k, w2.shape[1], dtype=torch.float32)
+    for e in torch.unique(topk_ids).tolist():
+        tok, rank = (topk_ids == e).nonzero(as_tuple=True)
+        h = tiled_linear(x[tok], w13[e])
+        inter = h.shape[-1] // 2
+        a = torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()
+        ys[tok, rank] = tiled_linear(a.to(x.dtype), w2[e]).float()
+    for r in range(k):
+        out = out + ys[:, r] * topk_weights[:, r:r + 1].float()
+    return out.to(x.dtype)
+
+
+ATTENTION_BACKEND = f"{__package__}.attention_backend.KitAttentionBackend"
+
+
+def _has_attention_backend() -> bool:
+    return importlib.util.find_spec(f"{__package__}.attention_backend") is not None
+
+
+def _register_cpu() -> None:
+    import vllm.model_executor.layers.utils as vutils
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    original = vutils.dispatch_cpu_unquantized_gemm
+
+    def kit_dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        weight = getattr(layer, "weight", None)
+        if weight is None or weight.is_meta or weight.ndim != 2:
+            return original(layer, remove_weight)  # not a linear layer (conv, 3-D experts)
+        tile_for(weight.data)
+
+        def cpu_linear(x, w, bias):
+            count("linear")
+            return tiled_linear(x, w, bias)
+
+        layer.cpu_linear = cpu_linear
+        count("linear_layers_dispatched")
+
+    vutils.dispatch_cpu_unquantized_gemm = kit_dispatch_cpu_unquantized_gemm
+    REPLACEMENTS["linear"] = (f"every 2-D linear layer and the lm_head: tiled_linear (GEMMs of {tile_m()} rows, "
+                              "the shape fixed per layer)")
+
+    class KitRMSNorm(RMSNorm):
+        def forward(self, x, residual=None):
+            count("rms_norm" if residual is None else "fused_add_rms_norm")
+            if self.variance_size_override is not None:
+                raise NotImplementedError("the kit's RMSNorm does not support var_hidden_size")
+            w = self.weight.data if self.has_weight else None
+            return rms_norm_fixed_tree(x, w, self.variance_epsilon, residual)
+
+        forward_native = forward
+        forward_cpu = forward
+
+    CustomOp.register_oot(KitRMSNorm, name="RMSNorm")
+    REPLACEMENTS["RMSNorm"] = "KitRMSNorm: rms_norm_fixed_tree (a fixed pairwise fp32 tree per row)"
+
+    os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
+    REPLACEMENTS["attention_split_kv"] = "VLLM_CPU_ATTN_SPLIT_KV=0 (no batch-chosen KV splits)"
+    if os.environ.get(ENV_ATTENTION) == "1" and _has_attention_backend():
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        register_backend(AttentionBackendEnum.CPU_ATTN, ATTENTION_BACKEND)
+        REPLACEMENTS["attention"] = f"{ATTENTION_BACKEND} in place of CPU_ATTN"
+
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    class KitCPUMoEMethod(UnquantizedFusedMoEMethod):
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+            if shared_experts is not None or getattr(layer, "expert_map", None) is not None:
+                raise NotImplementedError("the kit's CPU MoE supports neither shared experts nor expert maps")
+            count("moe")
+            return moe_experts_tiled(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+
+    CustomOp.register_oot(KitCPUMoEMethod, name="UnquantizedFusedMoEMethod")
+    REPLACEMENTS["moe"] = "KitCPUMoEMethod: moe_experts_tiled (tiled expert GEMMs, rank-ordered fp32 combine)"
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA replacements: the kit's Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+_KIT_OPS = None
+
+
+def kit_ops() -> dict:
+    """The kit's RMSNorm kernels as torch custom ops (``kit_vllm::rms_norm`` and
+    ``::fused_add_rms_norm``): opaque to torch.compile (it sees the fake, shape-only version),
+    plain calls in eager mode.  Registered once per process, on first use."""
+    global _KIT_OPS
+    if _KIT_OPS is not None:
+        return _KIT_OPS
+    from ..ops import rms_norm as RN
+
+    @torch.library.custom_op("kit_vllm::rms_norm", mutates_args=())
+    def kit_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return RN.rms_norm(x, weight, eps, impl="invariant")
+
+    @kit_rms_norm.register_fake
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("kit_vllm::fused_add_rms_norm", mutates_args=())
+    def kit_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return RN.fused_add_rms_norm(x, residual, weight, eps, impl="invariant")
+
+    @kit_fused_add_rms_norm.register_fake
+    def _(x, residual, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    _KIT_OPS = {"rms_norm": kit_rms_norm, "fused_add_rms_norm": kit_fused_add_rms_norm}
+    return _KIT_OPS
+
+
+def kit_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None):
+    """vLLM's ``RMSNorm.forward`` contract on the kit's Triton kernels: ``x`` of any shape
+    ``(..., H)`` (Qwen3's q/k norms pass a strided ``(T, heads, head_dim)`` view), returns ``out``
+    shaped like ``x``, or ``(out, x + residual)`` when a residual is given.  Rows are flattened and
+    copied when needed, the weight cast to ``x``'s dtype if it differs (counted as
+    ``weight_casts``)."""
+    ops = kit_ops()
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    w = weight
+    if w.dtype != x.dtype:
+        count("weight_casts")
+        w = w.to(x.dtype)
+    w = w.contiguous()
+    if residual is None:
+        count("rms_norm")
+        return ops["rms_norm"](x2, w, float(eps)).view(shape)
+    count("fused_add_rms_norm")
+    r2 = residual.reshape(-1, shape[-1]).contiguous()
+    out, z = ops["fused_add_rms_norm"](x2, r2, w, float(eps))
+    return out.view(shape), z.view(residual.shape)
+
+
+def kit_moe_from_logits(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        top_k: int, renormalize: bool) -> torch.Tensor:
+    """The kit's MoE from given router logits (vLLM computes them with its gate linear):
+    :func:`batch_invariance_kit.ops.moe.route`, ``dispatch``, ``grouped_gemm`` (gate/up +
+    SiLU-and-mul, then down), ``combine``.  Layouts are vLLM's: ``w13`` ``(E, 2I, H)`` gate rows
+    then up rows, ``w2`` ``(E, H, I)``."""
+    from ..ops import moe as MOE
+
+    count("moe")
+    x = x.contiguous()
+    logits = router_logits.contiguous()
+    T, E = x.shape[0], w13.shape[0]
+    weights, ids = MOE.route(logits, top_k, scoring="softmax", renormalize=renormalize, impl="invariant")
+    cfg = MOE.select_config(T, top_k, E, x.dtype, "invariant")
+    disp = MOE.dispatch(ids, E, cfg.block_m, validate=False)  # no host sync (CUDA-graph safe)
+    h = MOE.grouped_gemm(x, w13, disp, activation="silu_mul", gather_tokens=True, impl="invariant", config=cfg)
+    y = MOE.grouped_gemm(h, w2, disp, impl="invariant", config=cfg)
+    return MOE.combine(y, weights)
+
+
+def _register_cuda() -> None:
+    """``RMSNorm`` and the unquantized MoE method on the kit's Triton kernels (vLLM 0.26 API:
+    a method that says it is *monolithic* gets ``apply_monolithic(layer, x, router_logits)``)."""
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
+    REPLACEMENTS["linear_attention"] = "vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1)"
+    kit_ops()
+
+    class KitRMSNorm(RMSNorm):
+        def forward(self, x, residual=None):
+            if self.variance_size_override is not None or not self.has_weight:
+                count("rms_norm_fallback")
+                return super().forward(x, residual)
+            return kit_rms_norm_forward(x, self.weight.data, self.variance_epsilon, residual)
+
+        forward_native = forward
+        forward_cuda = forward
+
+    CustomOp.register_oot(KitRMSNorm, name="RMSNorm")
+    REPLACEMENTS["RMSNorm"] = "KitRMSNorm: batch_invariance_kit.ops.rms_norm (Triton, impl='invariant')"
+
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    class KitMoEMethod(UnquantizedFusedMoEMethod):
+        @property
+        def is_monolithic(self) -> bool:
+            return True
+
+        def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+            unsupported = {
+                "use_grouped_topk": bool(getattr(layer, "use_grouped_topk", False)),
+                "custom_routing_function": getattr(layer, "custom_routing_function", None) is not None,
+                "expert_map": getattr(layer, "expert_map", None) is not None,
+                "e_score_correction_bias": getattr(layer, "e_score_correction_bias", None) is not None,
+                "apply_router_weight_on_input": bool(getattr(layer, "apply_router_weight_on_input", False)),
+                "scoring_func!=softmax": getattr(layer, "scoring_func", "softmax") != "softmax",
+                "routed_scaling_factor!=1": float(getattr(layer, "routed_scaling_factor", 1.0) or 1.0) != 1.0,
+            }
+            bad = [k for k, v in unsupported.items() if v]
+            if bad:
+                raise NotImplementedError(f"the kit's MoE does not support {bad}")
+            return kit_moe_from_logits(x, router_logits, layer.w13_weight, layer.w2_weight,
+                                       int(layer.top_k), bool(layer.renormalize))
+
+    CustomOp.register_oot(KitMoEMethod, name="UnquantizedFusedMoEMethod")
+    REPLACEMENTS["moe"] = "KitMoEMethod: batch_invariance_kit.ops.moe route/dispatch/grouped_gemm/combine"
+
+    if os.environ.get(ENV_ATTENTION, "1") != "0" and _has_attention_backend():
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
+        REPLACEMENTS["attention"] = (f"{ATTENTION_BACKEND} registered as CUSTOM "
+                                     "(selected with attention_config={'backend': 'CUSTOM'})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------------------------
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (called by vLLM in each of its processes)."""
+    if not enabled() or _STATE["registered"]:
+        return
+    _STATE["registered"] = True
+    import batch_invariance_kit  # noqa: F401  (device selection before Triton is used)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        _STATE["platform"] = "cpu"
+        _register_cpu()
+    elif current_platform.is_cuda():
+        _STATE["platform"] = "cuda"
+        _register_cuda()
+    else:
+        raise RuntimeError(f"{ENV_SWITCH}=1: the kit's vLLM plugin supports the CPU and CUDA platforms, "
+                           f"not {current_platform.device_name!r}")
+    if os.environ.get(ENV_REPORT):
+        write_report()
+        atexit.register(write_report)
