@@ -1,12 +1,26 @@
-"""Benchmark utilities: median of many timed runs with CUDA events, and the copy ceiling.
+"""Timing on a CUDA GPU: per-call medians over rotated inputs, plain or from CUDA-graph replays.
 
 Speed is measured here and stored (``batch_invariance_kit.report.results``), never asserted in a test.
+
+Plain launches are timed by ``triton.testing.do_bench`` (CUDA events, quantiles; it also clears
+the L2 cache before each call).  The CUDA-graph path captures a *fixed* number of consecutive
+calls in one graph and times its replays: ``triton.testing.do_bench_cudagraph`` sizes its graph
+from its own time estimate, so two implementations compared in one cell could be timed with
+different numbers of calls per graph; the kit fixes that number per cell.  Both paths cycle
+through ``rotate``: enough argument sets that together they exceed the L2 cache, so that
+weights are read from HBM as in a model.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import torch
+
+
+def _calls(fn, rotate) -> list:
+    """One zero-argument callable per argument set of ``rotate`` (one without it)."""
+    return [(lambda a=a: fn(*a)) for a in (rotate if rotate else [()])]
 
 
 def _capture(seq):
@@ -26,61 +40,64 @@ def _capture(seq):
     return g
 
 
+def _elapsed_us(run, n: int) -> float:
+    """Mean microseconds per ``run()`` over ``n`` back-to-back runs (CUDA events)."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        run()
+    e1.record()
+    torch.cuda.synchronize()
+    return max(e0.elapsed_time(e1) * 1000.0 / n, 1.0)
+
+
 def median_us(fn, *, warmup: int = 10, reps: int = 100, rotate: list | None = None, graph: bool = False,
               graph_calls: int = 20, budget_s: float = 1.5, calls_per_graph: int | None = None) -> dict:
-    """Median (and quartiles) of timed calls of ``fn`` in microseconds, CUDA events.
+    """Median (and quartiles) of timed calls of ``fn`` in microseconds.
 
     ``rotate``: a list of argument tuples; call ``fn(*rotate[i % len(rotate)])`` so that
-    inputs larger than L2 in total are not served from cache.  ``graph=True`` captures
-    ``graph_calls`` consecutive calls (cycling through ``rotate``) in one CUDA graph, times
-    ``reps`` replays and divides by ``graph_calls``: launch overhead leaves the numbers, the
-    same way for every implementation compared.  Long kernels get fewer calls per graph and
-    fewer repetitions so that one measurement takes about ``budget_s`` (at least 10 reps).
-    ``calls_per_graph``: capture exactly that many calls per graph instead (so that two
-    implementations compared in one cell are timed the same way even when only one of them
-    crosses the 100 µs estimate)."""
+    inputs larger than L2 in total are not served from cache.  Plain launches
+    (``graph=False``): ``triton.testing.do_bench`` for about ``reps`` calls (at most
+    ``budget_s``).  ``graph=True`` captures consecutive calls (cycling through ``rotate``) in one
+    CUDA graph, times ``reps`` replays and divides by the calls per graph: launch overhead
+    leaves the numbers, the same way for every implementation compared.  Calls per graph:
+    ``calls_per_graph`` when given; else all argument sets for a call estimated over 100 µs,
+    and at least ``graph_calls`` for a shorter one.  Long calls get fewer replays so that one
+    measurement takes about ``budget_s`` (at least 10)."""
     if calls_per_graph is not None and (isinstance(calls_per_graph, bool) or not isinstance(calls_per_graph, int)
                                         or calls_per_graph < 1):
         raise ValueError(f"calls_per_graph must be a positive int or None, got {calls_per_graph!r}")
     if not torch.cuda.is_available():
         raise RuntimeError("median_us needs a CUDA GPU")
-    args = rotate if rotate else [()]
-    calls = [(lambda a=a: fn(*a)) for a in args]
+    calls = _calls(fn, rotate)
     for i in range(warmup):
         calls[i % len(calls)]()
     torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for c in calls:
-        c()
-    e1.record()
-    torch.cuda.synchronize()
-    est_us = max(e0.elapsed_time(e1) * 1000.0 / len(calls), 1.0)
-    if graph:  # the estimate from a one-call graph: eager timing of a host-heavy launch would
-        # count the host's launch time and push a short kernel over the 100 µs line
-        g1 = _capture([calls[0]])
-        e0.record()
-        for _ in range(3):
-            g1.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        est_us = max(e0.elapsed_time(e1) * 1000.0 / 3, 1.0)
-        del g1
-    per = 1
-    if graph:
-        per = len(calls) if est_us > 100.0 else max(graph_calls, len(calls))
-        if calls_per_graph is not None:
-            per = calls_per_graph
+    cycle = itertools.cycle(calls)
+    est_us = _elapsed_us(lambda: next(cycle)(), len(calls))
+    if not graph:
+        import triton.testing
+
+        reps = int(max(10, min(reps, budget_s * 1e6 / est_us)))
+        med, p25, p75 = triton.testing.do_bench(lambda: next(cycle)(), warmup=max(1e-3 * est_us, 1.0),
+                                                rep=reps * est_us * 1e-3, quantiles=[0.5, 0.25, 0.75])
+        return {"median_us": med * 1000.0, "p25_us": p25 * 1000.0, "p75_us": p75 * 1000.0, "reps": reps,
+                "calls_per_timing": 1}
+    # the estimate from a one-call graph: eager timing of a host-heavy launch would count the
+    # host's launch time and push a short kernel over the 100 µs line
+    g1 = _capture([calls[0]])
+    est_us = _elapsed_us(g1.replay, 3)
+    del g1
+    per = calls_per_graph if calls_per_graph is not None else \
+        len(calls) if est_us > 100.0 else max(graph_calls, len(calls))
     reps = int(max(10, min(reps, budget_s * 1e6 / (est_us * per))))
-    if graph:
-        g = _capture([calls[i % len(calls)] for i in range(per)])
-        calls = [g.replay]
+    g = _capture([calls[i % len(calls)] for i in range(per)])
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         starts[i].record()
-        calls[i % len(calls)]()
+        g.replay()
         ends[i].record()
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) * 1000.0 / per for s, e in zip(starts, ends))
