@@ -105,26 +105,26 @@ def _seed002(op, batches, weight, impl, seed, scale=None):
 # launch policy
 # ---------------------------------------------------------------------------------------------
 
-def test_launch_config_variant_follows_the_batch_invariant_does_not():
+def test_launch_info_variant_follows_the_batch_invariant_does_not():
     for op in OP_NAMES:
         per_block = op == "rms_norm_per_block_quant"
-        v = [R.launch_config(n, 4096, torch.bfloat16, op, invariant=False)["block"] for n in (1, 255, 256, 257, 300)]
+        v = [R.launch_info(n, 4096, torch.bfloat16, op, invariant=False)["block"] for n in (1, 255, 256, 257, 300)]
         assert v == ([512, 512, 512, 256, 256] if per_block else [1024, 1024, 256, 256, 256]), (op, v)
         inv = {tuple(sorted((k, c[k]) for k in ("block", "num_chunks", "rows_per_program", "num_warps")))
                for n in (1, 255, 256, 300, 4097)
-               for c in [R.launch_config(n, 4096, torch.bfloat16, op, invariant=True)]}
+               for c in [R.launch_info(n, 4096, torch.bfloat16, op, invariant=True)]}
         assert len(inv) == 1, (op, inv)
-    c = R.launch_config(300, 4096, torch.bfloat16, "rms_norm", invariant=True)
+    c = R.launch_info(300, 4096, torch.bfloat16, "rms_norm", invariant=True)
     assert (c["block"], c["num_chunks"]) == (4096, 1)
     assert c["grid"] == math.ceil(300 / c["rows_per_program"])
-    c = R.launch_config(3, 12288, torch.float32, "rms_norm", invariant=True)
+    c = R.launch_info(3, 12288, torch.float32, "rms_norm", invariant=True)
     assert (c["block"], c["num_chunks"]) == (4096, 3)
-    c = R.launch_config(300, 4096, torch.bfloat16, "rms_norm", invariant=False)
+    c = R.launch_info(300, 4096, torch.bfloat16, "rms_norm", invariant=False)
     assert (c["block"], c["num_chunks"]) == (256, 16)
     with pytest.raises(ValueError, match="op"):
-        R.launch_config(3, 64, torch.float32, "layer_norm")
+        R.launch_info(3, 64, torch.float32, "layer_norm")
     with pytest.raises(ValueError, match="num_tokens"):
-        R.launch_config(0, 64, torch.float32)
+        R.launch_info(0, 64, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def test_invariant_long_rows_chunked_path(op):
     """hidden > 8192: the invariant kernel sums in fixed 4096-column chunks (still batch-free)."""
     h, dtype = 9216, torch.float32
     batches, w = _Batches(h, dtype), _weight(h, dtype)
-    assert R.launch_config(LARGE, h, dtype, op)["num_chunks"] == 3
+    assert R.launch_info(LARGE, h, dtype, op)["num_chunks"] == 3
     xs, rs = batches(LARGE, 0)
     rows = [0, 1, 130, 254]
     small = _call(op, xs[:SMALL], rs[:SMALL], w, "invariant")
@@ -303,10 +303,10 @@ def test_rows_per_program_does_not_change_bits(monkeypatch):
     batches, w = _Batches(H_MAIN, dtype), _weight(H_MAIN, dtype)
     xs, rs = batches(70, 5)
     ref = {(op, impl): _call(op, xs, rs, w, impl) for op in OP_NAMES for impl in ("invariant", "variant")}
-    assert R.launch_config(70, H_MAIN, dtype)["rows_per_program"] > 4
+    assert R.launch_info(70, H_MAIN, dtype)["rows_per_program"] > 4
     for max_rows in (1, 4):
         monkeypatch.setattr(R, "_INTERPRET_MAX_ROWS", max_rows)
-        assert R.launch_config(70, H_MAIN, dtype)["rows_per_program"] == max_rows
+        assert R.launch_info(70, H_MAIN, dtype)["rows_per_program"] == max_rows
         for (op, impl), outs in ref.items():
             for a, b in zip(outs, _call(op, xs, rs, w, impl)):
                 assert torch.equal(bits(a), bits(b)), (op, impl, max_rows)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["REPO", "CSRC", "SOURCES", "NVCC_FLAGS", "available", "load", "build_dir"]
+__all__ = ["SOURCES", "available", "load"]
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"

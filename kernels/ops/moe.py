@@ -65,11 +65,7 @@ from .tl_numerics import dot_acc, from_f32, to_f32  # noqa: E402
 
 __all__ = [
     "IMPLS",
-    "SCORINGS",
     "MoEConfig",
-    "INVARIANT_TABLE",
-    "VARIANT_TABLE",
-    "Dispatch",
     "tokens_per_expert",
     "select_config",
     "router_launch",
@@ -81,7 +77,6 @@ __all__ = [
     "combine",
     "fused_moe",
     "reference_route",
-    "reference_moe",
 ]
 
 IMPLS = ("invariant", "variant", "reference")

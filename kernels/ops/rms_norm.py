@@ -22,7 +22,7 @@ Every op takes ``impl=``:
 * ``"invariant"`` (default): the *same* kernel, launched with a schedule picked from the row's
   shape only (hidden size, dtype, device), never from the number of rows.
 
-:func:`launch_config` is the pure function behind both launch policies (the book prints it).
+:func:`launch_info` is the pure function behind both launch policies (the book prints it).
 
 Numerics, identical for variant and invariant: ``ss = sum(x^2)`` in fp32;
 ``s = 1 / sqrt_rn(ss / H + eps)`` with correctly rounded division and square root
@@ -50,7 +50,7 @@ __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "MIN_SCALE",
-    "launch_config",
+    "launch_info",
     "rms_norm",
     "fused_add_rms_norm",
     "fused_add_rms_norm_",
@@ -122,7 +122,7 @@ def _num_warps(block: int) -> int:
     return min(max(block // 256, 1), 8)
 
 
-def launch_config(num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16,
+def launch_info(num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16,
                   op: str = "rms_norm", invariant: bool = True) -> dict:
     """The launch decision of ``op`` for a batch of ``num_tokens`` rows of ``hidden`` columns.
 
@@ -297,7 +297,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, sca
 
 def _launch(op, x, residual, residual_out, weight, out, scale, scales, eps, group_size, invariant):
     n, h = x.shape
-    cfg = launch_config(n, h, x.dtype, op, invariant)
+    cfg = launch_info(n, h, x.dtype, op, invariant)
     _rms_norm_kernel[(cfg["grid"],)](
         x, residual if residual is not None else x, residual_out if residual_out is not None else x,
         weight, out, scale if scale is not None else weight, scales if scales is not None else out,

@@ -63,7 +63,7 @@ from ..verify.emulator import WARP_SIZE, block_reduce, normalize, rms_scale
 __all__ = [
     "OPS", "IMPLS", "FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "GROUP_SIZES",
     "INVARIANT_SMALL_BLOCK", "vec_width", "launch_block_size", "impl_block_size",
-    "policy_block_sizes", "emulate",
+    "emulate",
     "rms_norm", "fused_add_rms_norm", "rms_norm_static_fp8_quant",
     "fused_add_rms_norm_static_fp8_quant", "rms_norm_per_block_quant", "gpu_crosscheck",
 ]
