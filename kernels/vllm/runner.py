@@ -125,6 +125,8 @@ def run_worker(model: str, spec: dict, out: str) -> int:
                   logprobs_mode="raw_logprobs", max_num_seqs=256, enforce_eager=spec["eager"],
                   kv_cache_memory_bytes=int(spec["kv_cache_gib"] * 2 ** 30))
         doc["init_s"] = time.time() - t0
+        # what the engine saw once built (the kit's plugin sets VLLM_CPU_ATTN_SPLIT_KV itself)
+        doc["engine_env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_ATTN_SPLIT_KV", "VLLM_BATCH_INVARIANT")}
     except Exception:
         doc["error"] = traceback.format_exc()
         doc["init_s"] = time.time() - t0
