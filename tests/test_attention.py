@@ -161,25 +161,15 @@ def test_b_chunked_prefill_equals_one_chunk(dtype):
     ref = one.run([("s", q, n)])[0]
     c = Cache(dtype, seed=4)
     got = []
-    for a, b in ((0, BN), (BN, SPLIT + BN), (SPLIT + BN, n)):  # chunk starts at multiples of block_n
+    for a, b in ((0, BN), (BN, SPLIT + BN), (SPLIT + BN, n)):  # chunk starts at tile edges (any start: test_attention_steps)
         c.write("s", k[a:b], v[a:b], a)
         got.append(c.run([("s", q[a:b], b)])[0])
     assert bitwise_equal(torch.cat(got), ref)
 
 
-def test_b_misaligned_chunk_is_refused():
-    dt = torch.float32
-    q, k, v = _seq(5, 0, BN + 8, dt)
-    c = Cache(dt)
-    c.write("s", k, v, 0)
-    with pytest.raises(ValueError, match="query_start_loc/seq_lens.*block_n"):
-        c.run([("s", q[BN - 3:], BN + 8)])  # a chunk starting at BN - 3
-    c.run([("s", q[-1:], BN + 8)])  # a single token (decode) may be anywhere
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=_name)
 def test_c_prefix_cache_hit_equals_recompute(dtype):
-    """Sequence B shares A's first P keys (P a multiple of block_n): B computed from the cached
+    """Sequence B shares A's first P keys (P a multiple of block_n here; any P: test_attention_steps): B computed from the cached
     blocks of A (only its own tokens run) == B prefilled from scratch, bitwise."""
     p_len, own = SPLIT + BN, BN + 11
     qa, ka, va = _seq(7, 0, p_len + 20, dtype)
@@ -221,18 +211,35 @@ def test_d_prefill_equals_decode_at_every_position(dtype):
         assert bitwise_equal(one[0], pre[t]), t
 
 
-def test_decode_tiles_option_plumbing():
-    """The default sends one-token steps (decode) to 16-row tiles (``decode_block_m``) with a
-    fixed pairwise row sum, the left-fold merge and serial launches from ``serial_programs``
-    programs: one-token steps go to the decode group of the plan, multi-token steps stay in
-    prefill tiles, and the two tile shapes give the same bits as one shape for all.  (On the
-    H200 that equality needs the layout-free row sum: with ``tl.sum`` and 4 warps on a 16-row
-    tile, decode differed from prefill; see the module docstring.)"""
-    assert (CFG.decode_block_m, CFG.row_sum, CFG.tree_merge) == (16, "tree", False)
+def _plan(steps, config, **kw):
+    q = torch.cat([s[1] for s in steps])
+    lens = [s[2] for s in steps]
+    qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
+    return q, lens, qsl, A.make_plan(lens, qsl, q_heads=HQ, kv_heads=HKV, head_dim=D, config=config, device=DEV, **kw)
+
+
+def test_config_is_the_shipped_schedule():
+    """``AttnConfig()`` is the GPU default; the interpreter's config differs only in sizes; bad
+    fields are refused naming them."""
+    assert A.AttnConfig() == A.DEFAULT_CONFIG
+    assert (CFG.decode_block_m, CFG.serial_decode_warps, CFG.serial_decode_stages) == (16, 2, 3)
     assert CFG.serial_programs is not None and CFG.split_target is not None
-    dec_cfg = CFG
-    single = dataclasses.replace(CFG, decode_block_m=None, decode_num_warps=None, decode_num_stages=None,
-                                 serial_decode_warps=None, serial_decode_stages=None)
+    for kw, match in ((dict(decode_block_m=24), "decode_block_m"), (dict(block_n=512, split_size=512), "block_n"),
+                      (dict(serial_decode_stages=0), "serial_decode_stages"), (dict(num_warps=0), "num_warps"),
+                      (dict(serial_programs=0), "serial_programs"), (dict(split_target=0), "split_target"),
+                      (dict(split_size=48), "split_size")):
+        with pytest.raises(ValueError, match=match):
+            A.AttnConfig(**kw)
+    with pytest.raises(ValueError, match="pos"):
+        A.split_size_at(-1, CFG)
+
+
+def test_decode_tiles_give_the_bits_of_one_tile_shape():
+    """The default sends one-token steps (decode) to 16-row tiles (``decode_block_m``): one-token
+    steps go to the decode group of the plan, multi-token steps stay in prefill tiles, and the
+    two tile shapes give the same bits as one shape for all (the row sum is a fixed pairwise
+    tree: no layout enters; see the module docstring)."""
+    single = dataclasses.replace(CFG, decode_block_m=None)
     dtype = torch.bfloat16
     c = Cache(dtype, seed=3)
     steps = []
@@ -243,60 +250,32 @@ def test_decode_tiles_option_plumbing():
     qp, kp, vp = _seq(5, 99, 2 * BN, dtype)  # a 2-tile prefill chunk in the same launch
     c.write("p", kp, vp, 0)
     steps.append(("p", qp, 2 * BN))
-    width = max(len(c.tables[n]) for n, _, _ in steps)
-    bt = torch.zeros((len(steps), width), dtype=torch.int32)
-    for i, (n, _, _) in enumerate(steps):
-        bt[i, :len(c.tables[n])] = torch.tensor(c.tables[n], dtype=torch.int32)
-    q = torch.cat([s[1] for s in steps])
-    lens = [s[2] for s in steps]
-    qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
-    plan = A.make_plan(q, HKV, lens, qsl, config=dec_cfg)
-    assert plan.dec_tile_seq.tolist() == list(range(len(LENS))), "one-token steps must be decode tiles"
-    assert A.make_plan(q, HKV, lens, qsl, config=single).dec_tile_seq.numel() == 0
-    assert plan.tile_seq.tolist() == [len(LENS)] * (2 * BN // plan.q_tile)
-    args = (q, c.k, c.v, bt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
-            torch.tensor(qsl, dtype=torch.int32, device=DEV))
-    two = A.attention(*args, config=dec_cfg)
-    one = A.attention(*args, config=single)
-    assert bitwise_equal(two, one)
-    with pytest.raises(ValueError, match="decode_block_m"):
-        A.AttnConfig(decode_block_m=24)
-    with pytest.raises(ValueError, match="row_sum"):
-        A.AttnConfig(row_sum="pairwise")
-    with pytest.raises(ValueError, match="decode_num_warps"):
-        A.AttnConfig(decode_block_m=16, decode_num_warps=0)
-    with pytest.raises(ValueError, match="need decode_block_m"):
-        A.AttnConfig(decode_num_warps=2)
-    with pytest.raises(ValueError, match="block_n up to 256"):
-        A.AttnConfig(512, 64, 512, row_sum="tree")
+    q, lens, qsl, plan = _plan(steps, CFG)
+    assert plan.decode.seq.tolist() == list(range(len(LENS))), "one-token steps must be decode tiles"
+    assert _plan(steps, single)[3].decode.seq.numel() == 0
+    assert plan.tiles.seq.tolist() == [len(LENS)] * (2 * BN // plan.tiles.q_tile)
+    assert bitwise_equal(torch.cat(c.run(steps)), torch.cat(c.run(steps, config=single)))
 
 
-@pytest.mark.parametrize("row_sum", A.ROW_SUMS)
-def test_schedules_merge_many_splits(row_sum):
-    """Every row-sum mode with the tree merge over more than one chunk of 16 splits (32-key
-    splits, 560 keys: up to 18 splits): prefill == decode at split and chunk edges, close to float64;
-    and the left-fold merge (``tree_merge=False``) agrees to rounding, not bitwise (another
-    schedule)."""
-    cfg = A.AttnConfig(32, 32, 32, decode_block_m=16, row_sum=row_sum, tree_merge=True)
+def test_left_fold_over_many_splits():
+    """The left fold over more than one FOLD_CHUNK of split states (32-key splits, 560 keys: up
+    to 18 splits): prefill == decode at split and chunk edges, serial == per split, close to
+    float64."""
+    cfg = A.AttnConfig(block_n=32, block_m=32, split_size=32, split_target=None, serial_programs=None)
     n, dtype = 560, torch.bfloat16
     q, k, v = _seq(12, 0, n, dtype)
     c = Cache(dtype, seed=8)
     c.write("s", k, v, 0)
     pre = c.run([("s", q[480:], n)], config=cfg)[0]  # a chunk from key 480: rows with 16-18 splits
-    ts = [480, 511, 512, 527, 543, n - 1]  # 511: exactly one full chunk of 16 splits
+    ts = [480, 511, 512, 527, 543, n - 1]
     for t in ts:
         c.tables[("d", t)] = c.tables["s"]
     dec = torch.cat(c.run([(("d", t), q[t:t + 1], t + 1) for t in ts], config=cfg))
     assert bitwise_equal(dec, pre[[t - 480 for t in ts]])
-    pre = pre[-48:]
     ref = c.run([("s", q[-48:], n)], impl="reference")[0]
-    assert (pre.double() - ref.double()).abs().max().item() < TOL[dtype]
-    fold_cfg = dataclasses.replace(cfg, tree_merge=False)
-    fold = c.run([("s", q[-48:], n)], config=fold_cfg)[0]
-    assert (fold.double() - pre.double()).abs().max().item() < TOL[dtype]
-    # the left fold over 16-18 splits (two chunks of loaded states): serial == per split, bitwise
-    serial = c.run([("s", q[-48:], n)], config=dataclasses.replace(fold_cfg, serial_programs=1))[0]
-    assert bitwise_equal(serial, fold)
+    assert (pre[-48:].double() - ref.double()).abs().max().item() < TOL[dtype]
+    serial = c.run([("s", q[-48:], n)], config=dataclasses.replace(cfg, serial_programs=1))[0]
+    assert bitwise_equal(serial, pre[-48:])
 
 
 def _mixed_steps(c, seed, dtype):
@@ -320,18 +299,17 @@ def test_workspace_holds_the_parallel_tokens_only():
     parallel prefill chunk gives the bits of the all-parallel launch."""
     c = Cache(torch.bfloat16, seed=5)
     steps = _mixed_steps(c, 8, torch.bfloat16)
-    q = torch.cat([s[1] for s in steps])
-    lens = [s[2] for s in steps]
-    qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
     par = dataclasses.replace(CFG, serial_programs=None)
     mixed = dataclasses.replace(CFG, serial_programs=len(LENS) * HKV)  # decode tiles serial, the chunk not
-    p_par, p_mix = (A.make_plan(q, HKV, lens, qsl, config=cfg) for cfg in (par, mixed))
-    assert (p_mix.serial, p_mix.dec_serial) == (False, True)
+    q, lens, qsl, p_par = _plan(steps, par)
+    p_mix = _plan(steps, mixed)[3]
+    assert (p_mix.tiles.serial, p_mix.decode.serial) == (False, True)
     chunk = list(range(qsl[-2], qsl[-1]))
-    assert p_mix.merge_tok.tolist() == chunk and p_mix.tok_ws[chunk].tolist() == list(range(len(chunk)))
-    splits = lambda toks: max(int(p_par.tok_pos[t]) // int(p_par.tok_split[t]) + 1 for t in toks)  # noqa: E731
-    assert p_par.max_splits == splits(range(len(q))) and p_mix.max_splits == splits(chunk)
-    assert p_mix.ws_acc.shape[0] == len(chunk) * HQ * p_mix.max_splits < p_par.ws_acc.shape[0]
+    m_par, m_mix = p_par.merge, p_mix.merge
+    assert m_mix.tokens.tolist() == chunk and m_mix.rank[chunk].tolist() == list(range(len(chunk)))
+    splits = lambda toks: max(int(m_par.pos[t]) // int(m_par.split[t]) + 1 for t in toks)  # noqa: E731
+    assert m_par.max_splits == splits(range(len(q))) and m_mix.max_splits == splits(chunk)
+    assert m_mix.acc.shape[0] == len(chunk) * HQ * m_mix.max_splits < m_par.acc.shape[0]
     assert bitwise_equal(torch.cat(c.run(steps, config=mixed)), torch.cat(c.run(steps, config=par)))
 
 
@@ -343,31 +321,18 @@ def test_serial_and_parallel_launches_give_the_same_bits():
     position-graded splits too."""
     c = Cache(torch.bfloat16, seed=4)
     steps = _mixed_steps(c, 7, torch.bfloat16)
-    q = torch.cat([s[1] for s in steps])
-    lens = [s[2] for s in steps]
-    qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
-    fold = dataclasses.replace(CFG, tree_merge=False, serial_programs=None)
+    _, _, qsl, _ = _plan(steps, CFG)
+    fold = dataclasses.replace(CFG, serial_programs=None)
     for kw in ({}, dict(split_size=4 * BN, split_target=2)):
         par = dataclasses.replace(fold, **kw)
         want = torch.cat(c.run(steps, config=par))
         dec_tiles = len(LENS) * HKV
         for sp, modes in ((1, (True, True)), (dec_tiles, (False, True)), (10 ** 6, (False, False))):
             cfg = dataclasses.replace(par, serial_programs=sp)
-            plan = A.make_plan(q, HKV, lens, qsl, config=cfg)
-            assert (plan.serial, plan.dec_serial) == modes, (sp, plan.serial, plan.dec_serial)
-            assert plan.merge_tok.numel() == (0 if modes[0] else qsl[-1] - qsl[-2]) + (0 if modes[1] else len(LENS))
+            plan = _plan(steps, cfg)[3]
+            assert (plan.tiles.serial, plan.decode.serial) == modes, (sp, plan.tiles.serial, plan.decode.serial)
+            assert plan.merge.tokens.numel() == (0 if modes[0] else qsl[-1] - qsl[-2]) + (0 if modes[1] else len(LENS))
             assert bitwise_equal(torch.cat(c.run(steps, config=cfg)), want), (kw, sp)
-    with pytest.raises(ValueError, match="tree_merge=False"):
-        A.AttnConfig(tree_merge=True, serial_programs=4)
-    for kw in (dict(serial_decode_warps=2), dict(serial_decode_stages=3)):
-        with pytest.raises(ValueError, match="need decode_block_m"):
-            A.AttnConfig(**kw)
-    with pytest.raises(ValueError, match="serial_decode_stages"):
-        A.AttnConfig(decode_block_m=16, serial_decode_stages=0)
-    with pytest.raises(ValueError, match="pos"):
-        A.split_size_at(-1, CFG)
-    with pytest.raises(ValueError, match="serial_programs"):
-        A.AttnConfig(serial_programs=0)
 
 
 def test_merge_load_schedule_gives_the_same_bits(monkeypatch):
@@ -513,6 +478,7 @@ def test_attention_bench_imports():
     assert callable(attention_bench.consistency) and callable(attention_bench.bench)
     # the stored schedule comparison includes the shipped default
     assert A.DEFAULT_CONFIG in attention_bench.DECODE_TILE_CONFIGS
+    assert all(isinstance(c, A.AttnConfig) for c in attention_bench.tune_configs())
 
 
 @pytest.mark.gpu

@@ -1,10 +1,10 @@
-"""Attention's GPU measurements (issue 6): the four consistency properties at production head
+"""Attention's GPU measurements: the four consistency properties at production head
 shapes, and decode/prefill timings against SDPA.  Each function returns ``(rows, checks)`` in
-the shape of :mod:`batch_invariance_kit.report.results`, to be called by ``python -m batch_invariance_kit.bench.parts``.
+the shape of :mod:`batch_invariance_kit.report.results`; :mod:`.parts` names them (``attention_*``).
 
 Shapes: head dim 128, 32 q heads over 8 kv heads, cache blocks of 16, bf16 (fp32 for the
 negative control too); the kernels run with :data:`batch_invariance_kit.ops.attention.DEFAULT_CONFIG`
-(64-key tiles, 512-key splits).  Chunk boundaries are multiples of its ``block_n``.
+(64-key tiles, splits of 64-512 keys graded by position).
 """
 from __future__ import annotations
 
@@ -142,19 +142,19 @@ def _decode_positions_differing(c, q, pre, n, config=None) -> list:
     return (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
 
 
-#: Decode schedules compared in the stored run (sessions 3-5; the exploratory runs are summarised
-#: in results/h200/README.md): session 3's default (tree merge, fixed 512-key splits, one program
-#: per split), session 4's (position-graded splits, the left fold, serial launches from 512
-#: programs with 2-warp serial decode programs), session 5's (the same with 3-stage serial decode
-#: programs: the shipped default) and that with 128-row, 8-warp prefill programs.
-_DT = dict(decode_block_m=16, decode_num_warps=4, row_sum="tree")
-_FOLD = dict(tree_merge=False, serial_programs=512, split_target=32, serial_decode_warps=2, **_DT)
+#: Decode schedules compared by :func:`decode_tiles`: the shipped default, its serial decode
+#: programs with 2 pipeline stages, and 128-row, 8-warp prefill programs.
 DECODE_TILE_CONFIGS = [
-    A.AttnConfig(64, 64, 512, tree_merge=True, **_DT),
-    A.AttnConfig(64, 64, 512, **_FOLD),
-    A.AttnConfig(64, 64, 512, serial_decode_stages=3, **_FOLD),
-    A.AttnConfig(64, 128, 512, num_warps=8, serial_decode_stages=3, **_FOLD),
+    A.AttnConfig(serial_decode_stages=2),
+    A.AttnConfig(),
+    A.AttnConfig(block_m=128, num_warps=8),
 ]
+
+
+def _plan(q, seq_lens, query_start_loc, **kw):
+    """The launch plan of a benchmark step (host lists) for ``q``'s heads."""
+    return A.make_plan(seq_lens, query_start_loc, q_heads=q.shape[1], kv_heads=HKV, head_dim=q.shape[2],
+                       device=q.device, **kw)
 
 
 def decode_tiles(quick: bool, configs=None) -> tuple:
@@ -254,22 +254,21 @@ def bench(quick: bool) -> tuple:
             scale = D ** -0.5
             cell, per, first = {}, None, len(rows)
             for impl in ("invariant", "variant"):  # the invariant first: its calls per graph set the cell's
-                plan = A.make_plan(q, HKV, [L] * B, list(range(B + 1)), impl=impl, config=cfg)
-                t, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out), per)
+                plan = _plan(q, [L] * B, list(range(B + 1)), impl=impl, config=cfg)
+                t, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, scale, out), per)
                 if per is None and g:
                     per = t["calls_per_timing"]
                 cell[impl] = t["median_us"]
                 extra = {}
                 if impl == "invariant":
-                    ts, _ = _time(lambda: A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out, merge=False), per)
-                    extra = {"split_kernels_us": ts["median_us"], "serial": plan.dec_serial}
-                    A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out)
+                    ts, _ = _time(lambda: A.launch(plan, q, c.k, c.v, bt, scale, out, merge=False), per)
+                    extra = {"split_kernels_us": ts["median_us"], "serial": plan.decode.serial}
+                    A.launch(plan, q, c.k, c.v, bt, scale, out)
                     alone = torch.empty_like(q[:1])
-                    A.launch(A.make_plan(q[:1], HKV, [L], [0, 1], config=cfg), q[:1], c.k, c.v, bt[:1], lens[:1],
-                             qsl[:2], scale, alone)
+                    A.launch(_plan(q[:1], [L], [0, 1], config=cfg), q[:1], c.k, c.v, bt[:1], scale, alone)
                     row0[("kit-invariant", B, L)] = bitwise_equal(out[:1], alone)
                 rows.append({"op": "attention_decode", "impl": f"kit-{impl}", "dtype": "bfloat16", "batch": B,
-                             "context": L, "splits": -(-L // plan.split[0]), "invariant": impl == "invariant",
+                             "context": L, "splits": -(-L // A.split_plan([L] * B, HKV, impl=impl, config=cfg)[0]), "invariant": impl == "invariant",
                              **extra, **t, "cuda_graph": g})
             ks, vs = _gathered(c, bt, B, L)
             q4 = q.unsqueeze(2)
@@ -317,8 +316,8 @@ def bench(quick: bool) -> tuple:
         _, bt, lens, qsl = c.args([(0, q, n)])
         out = torch.empty_like(q)
         scale = D ** -0.5
-        plan = A.make_plan(q, HKV, [n], [0, n], config=cfg)
-        t_inv, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out))
+        plan = _plan(q, [n], [0, n], config=cfg)
+        t_inv, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, scale, out))
         rows.append({"op": "attention_prefill", "impl": "kit-invariant", "dtype": "bfloat16", "tokens": n,
                      **t_inv, "cuda_graph": g})
         q4, k4, v4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -352,7 +351,7 @@ def bench(quick: bool) -> tuple:
 
 
 #: Candidate schedules for :func:`tune` (block_n, block_m, split_size, num_warps, num_stages[,
-#: decode_block_m]).
+#: decode_block_m]; the other fields keep :class:`AttnConfig`'s defaults: :func:`tune_configs`).
 #: Each one is invariant by construction (a fixed schedule); the sweep only chooses speed.
 TUNE_CONFIGS = [(64, 64, 512, 4, 2), (64, 64, 256, 4, 2), (64, 64, 1024, 4, 2), (64, 64, 2048, 4, 2),
                 (64, 64, 512, 4, 3), (64, 64, 512, 8, 2), (64, 32, 512, 4, 2), (64, 16, 512, 4, 2),
@@ -361,6 +360,12 @@ TUNE_CONFIGS = [(64, 64, 512, 4, 2), (64, 64, 256, 4, 2), (64, 64, 1024, 4, 2), 
                 # with 16-row decode tiles (the sixth field: decode_block_m)
                 (64, 64, 512, 4, 2, 16), (64, 64, 256, 4, 2, 16), (64, 64, 1024, 4, 2, 16), (64, 64, 512, 4, 3, 16),
                 (64, 32, 512, 4, 2, 16)]
+
+
+def tune_configs() -> list:
+    """:data:`TUNE_CONFIGS` as :class:`AttnConfig` objects."""
+    names = ("block_n", "block_m", "split_size", "num_warps", "num_stages", "decode_block_m")
+    return [A.AttnConfig(**dict(zip(names, c))) for c in TUNE_CONFIGS]
 
 
 def tune(quick: bool, configs=None, prefill: bool = True) -> tuple:
@@ -374,7 +379,7 @@ def tune(quick: bool, configs=None, prefill: bool = True) -> tuple:
              (64, 32768)]
     if quick:
         cells = cells[:4]
-    configs = [A.AttnConfig(*c) for c in TUNE_CONFIGS] if configs is None else configs
+    configs = tune_configs() if configs is None else configs
     rows = []
     for B, L in cells:
         c, q, bt, lens, qsl = _decode_cell(B, L, dtype)
@@ -387,8 +392,8 @@ def tune(quick: bool, configs=None, prefill: bool = True) -> tuple:
         line = []
         for cfg in configs:
             try:
-                plan = A.make_plan(q, HKV, [L] * B, list(range(B + 1)), impl="invariant", config=cfg)
-                t, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out))
+                plan = _plan(q, [L] * B, list(range(B + 1)), impl="invariant", config=cfg)
+                t, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, scale, out))
             except Exception as e:  # a schedule that does not compile/fit: recorded, not fatal
                 rows.append({"op": "attention_decode", "impl": "kit-invariant", "batch": B, "context": L,
                              "config": cfg.as_dict(), "error": repr(e)[:300]})
@@ -414,8 +419,8 @@ def tune(quick: bool, configs=None, prefill: bool = True) -> tuple:
     line = []
     for cfg in configs:
         try:
-            plan = A.make_plan(q, HKV, [n], [0, n], config=cfg)
-            t, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, lens, qsl, scale, out))
+            plan = _plan(q, [n], [0, n], config=cfg)
+            t, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, scale, out))
         except Exception as e:
             rows.append({"op": "attention_prefill", "impl": "kit-invariant", "tokens": n, "config": cfg.as_dict(),
                          "error": repr(e)[:300]})
