@@ -22,7 +22,19 @@ budget (``max_num_tokens``) and a sequence cap (``max_num_seqs``), like vLLM's s
 * sampling: ``temperature == 0``: greedy (``argmax``, ties to the lowest token id); else
   Gumbel-max with the request's own ``torch.Generator`` seeded by ``seed`` (on the CPU):
   ``argmax(logprobs / temperature - log(-log(u)))``, so a request's draws depend only on its
-  own seed and its own log-probabilities.
+  own seed and its own log-probabilities;
+* speculative decoding (``drafter`` and ``num_draft = k > 0``): a decoding request's step
+  feeds its last token followed by up to ``k`` tokens proposed by ``drafter(tokens, k)`` (any
+  callable; :mod:`batch_invariance_kit.serving.speculative` has an n-gram drafter) and reads the
+  log-probability row of every fed position: one multi-token *verify* step starting at the
+  request's current position.  The rows are sampled in order exactly as plain decoding samples
+  them (the same rule, the same generator draws); a draft token is accepted while it equals the
+  token sampled at its position, and the first sampled token that differs (or the one after the
+  last accepted draft) is emitted too, so a verify step emits 1 to ``k + 1`` tokens.  Keys and
+  values written for rejected drafts lie past the request's computed positions and are
+  overwritten when those positions are computed.  Whether the emitted tokens and rows equal
+  plain decoding's is exactly the question of prefill == decode: the row of a position must
+  not depend on how many tokens its step holds.
 
 :class:`Completion` gives per request its tokens, the fp32 log-probability of each sampled token
 and the whole fp32 log-probability row of each step (``logprob_rows``: what bitwise comparisons
@@ -64,6 +76,8 @@ class Completion:
     logprob_rows: torch.Tensor      # (n, vocab) fp32: the whole row each token was sampled from
     prefix_hit_tokens: int = 0      # prompt tokens taken from the prefix cache
     steps: list = field(default_factory=list)  # (step, tokens in the step, sequences in the step)
+    drafted: int = 0                # speculative decoding: draft tokens proposed for this request
+    accepted: int = 0               # draft tokens accepted
 
 
 class _Seq:
@@ -79,6 +93,8 @@ class _Seq:
         self.hit = 0
         self.admitted = False
         self.steps: list = []
+        self.draft: list = []
+        self.drafted = self.accepted = 0
         self.gen = None
         if req.temperature and req.temperature > 0:
             if req.seed is None:
@@ -142,12 +158,19 @@ def _chain(parent: str, toks) -> str:
 
 
 class Engine:
-    """The serving loop.  ``impl`` goes to every kernel of the model."""
+    """The serving loop.  ``impl`` goes to every kernel of the model; ``drafter`` and
+    ``num_draft``: speculative decoding (``num_draft = 0``: plain decoding)."""
 
     def __init__(self, model: Qwen3Model, *, impl: str = "invariant", block_size: int = 16,
                  num_blocks: int = 512, max_num_tokens: int = 128, max_num_seqs: int = 16,
-                 chunk_size: int | None = None, prefix_cache: bool = False):
+                 chunk_size: int | None = None, prefix_cache: bool = False, drafter=None, num_draft: int = 0):
         self.model, self.impl = model, impl
+        if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 0:
+            raise ValueError(f"num_draft must be an int >= 0, got {num_draft!r}")
+        if num_draft and not callable(drafter):
+            raise TypeError(f"drafter must be a callable (tokens, k) -> list of token ids when num_draft > 0, "
+                            f"got {type(drafter).__name__}")
+        self.drafter, self.num_draft = drafter, num_draft
         self.block_n = A.default_config().block_n
         if chunk_size is not None and (chunk_size <= 0 or chunk_size % self.block_n):
             raise ValueError(f"chunk_size must be a positive multiple of the attention block_n={self.block_n}, "
@@ -163,10 +186,25 @@ class Engine:
         self.step_log: list = []     # (step, tokens, sequences) of every step run
 
     # ------------------------------------------------------------------------ scheduling
+    def _propose(self, s: _Seq, budget: int) -> list:
+        """Draft tokens for a decoding request: at most ``num_draft``, what the budget leaves
+        after its last token, and one less than the tokens it still has to emit."""
+        k = min(self.num_draft, budget - 1, s.req.max_new_tokens - len(s.out) - 1)
+        if k <= 0:
+            return []
+        draft = [int(t) for t in list(self.drafter(list(s.tokens), k))[:k]]
+        V = self.model.cfg.vocab_size
+        if any(t < 0 or t >= V for t in draft):
+            raise ValueError(f"drafter proposed a token outside the vocabulary 0..{V - 1}: {draft}")
+        return draft
+
     def _chunk(self, s: _Seq, budget: int) -> int:
         rest = len(s.tokens) - s.computed
         if not s.prefilling:
-            return 1 if budget >= 1 else 0
+            if budget < 1:
+                return 0
+            s.draft = self._propose(s, budget) if self.num_draft else []
+            return 1 + len(s.draft)
         cap = budget if self.chunk_size is None else min(budget, self.chunk_size)
         if rest <= cap:
             return rest
@@ -265,14 +303,16 @@ class Engine:
                 lo, hi = s.computed, s.computed + n
                 while len(s.blocks) * bs < hi:
                     s.blocks.append(self.blocks.alloc())
-                toks += s.tokens[lo:hi]
+                fed = s.tokens[lo:hi] if s.prefilling else s.tokens[lo:] + s.draft
+                toks += fed
                 pos += list(range(lo, hi))
                 slot += [s.blocks[p // bs] * bs + p % bs for p in range(lo, hi)]
                 lens.append(hi)
                 qsl.append(qsl[-1] + n)
-                if hi == len(s.tokens):
-                    want.append(qsl[-1] - 1)
-                    rows_of.append(s)
+                if hi >= len(s.tokens):          # the last prompt token, or a decode / verify step
+                    k = hi - len(s.tokens) + 1   # rows read: 1, or 1 + the draft tokens
+                    rows_of.append((s, len(want), k))
+                    want += range(qsl[-1] - k, qsl[-1])
             width = max(len(s.blocks) for s, _ in sched)
             table = torch.zeros((len(sched), width), dtype=torch.int32)
             for i, (s, _) in enumerate(sched):
@@ -287,15 +327,26 @@ class Engine:
                 logits_indices=torch.tensor(want, dtype=torch.long, device=dev))
             lp = self.model.forward(batch, self.kv, impl=self.impl).cpu()
             self.step_log.append((step, len(toks), len(sched)))
+            decoding = {s.index for s, _ in sched if not s.prefilling}
             for s, n in sched:
-                s.computed += n
                 s.steps.append((step, len(toks), len(sched)))
-            for i, s in enumerate(rows_of):
-                row = lp[i].clone()
-                t = self._sample(s, row)
-                s.rows.append(row)
-                s.out.append(t)
-                s.tokens.append(t)
+                if s.index not in decoding:
+                    s.computed += n
+            for s, first, k in rows_of:
+                draft, s.draft = s.draft, []
+                if s.index in decoding:         # decode / verify: the fed last token is computed
+                    s.computed += 1
+                s.drafted += len(draft)
+                for j in range(k):
+                    row = lp[first + j].clone()
+                    t = self._sample(s, row)
+                    s.rows.append(row)
+                    s.out.append(t)
+                    s.tokens.append(t)
+                    if j == len(draft) or t != draft[j]:
+                        break
+                    s.accepted += 1
+                    s.computed += 1             # an accepted draft's keys/values are valid
             for s, _ in sched:
                 self._register_full_blocks(s)
             for s in [s for s, _ in sched if s.done]:
@@ -308,7 +359,8 @@ class Engine:
             idx = torch.tensor(s.out, dtype=torch.long)
             out.append(Completion(req_id=s.req.req_id if s.req.req_id is not None else s.index, prompt=list(s.req.prompt),
                                   tokens=list(s.out), logprobs=rows.gather(1, idx[:, None])[:, 0].clone(),
-                                  logprob_rows=rows, prefix_hit_tokens=s.hit, steps=s.steps))
+                                  logprob_rows=rows, prefix_hit_tokens=s.hit, steps=s.steps,
+                                  drafted=s.drafted, accepted=s.accepted))
         return out
 
 

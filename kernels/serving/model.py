@@ -225,10 +225,15 @@ class _Layer:
 
 class Qwen3Model:
     """The decoder.  ``Qwen3Model(cfg)`` draws the weights from ``cfg.seed``;
-    ``Qwen3Model.from_pretrained(folder)`` reads a folder written by :meth:`save_pretrained`."""
+    ``Qwen3Model.from_pretrained(folder)`` reads a folder written by :meth:`save_pretrained`.
+    ``linear_config``: the matmul M/N tiling forced on every projection (a name of
+    :data:`batch_invariance_kit.ops.matmul.CONFIGS`; ``None``: the table's pick per shape).  The
+    tiling decides which program computes an output element, never how, so it changes no bits of
+    the invariant kernels; under the Triton interpreter a wider tile means fewer programs."""
 
-    def __init__(self, cfg: Qwen3Config, weights: dict | None = None, device=None):
+    def __init__(self, cfg: Qwen3Config, weights: dict | None = None, device=None, linear_config=None):
         self.cfg = cfg
+        self.linear_config = linear_config
         self.device = DEVICE if device is None else torch.device(device)
         self.weights = random_weights(cfg) if weights is None else dict(weights)
         dt, dev = cfg.dtype, self.device
@@ -305,12 +310,15 @@ class Qwen3Model:
         return (xf * cos + rot * sin).to(x.dtype)
 
     @torch.no_grad()
-    def forward(self, batch: StepBatch, kv_cache: list, *, impl: str = "invariant") -> torch.Tensor:
+    def forward(self, batch: StepBatch, kv_cache: list, *, impl: str = "invariant", return_hidden: bool = False):
         """Run one step: writes the new tokens' keys/values into ``kv_cache`` and returns the
         fp32 log-probabilities ``(len(logits_indices), vocab)`` of the next token.  ``impl``:
         ``"invariant"`` or ``"variant"`` for every kernel, or a dict per kernel family (see
-        :func:`resolve_impl`; to find which kernel makes a variant run differ)."""
+        :func:`resolve_impl`; to find which kernel makes a variant run differ).
+        ``return_hidden``: also return the final-norm hidden states of those rows (the input of
+        ``lm_head``), as ``(logprobs, hidden)``."""
         im = resolve_impl(impl)
+        lc = self.linear_config
         c = self.cfg
         hq, hkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         T = batch.tokens.shape[0]
@@ -318,7 +326,7 @@ class Qwen3Model:
         residual = x
         h = RN.rms_norm(x, self.layers[0].in_norm, eps, impl=im["norm"])
         for i, L in enumerate(self.layers):
-            qkv = linear(h, L.qkv, impl=im["linear"])
+            qkv = linear(h, L.qkv, impl=im["linear"], config=lc)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
             q = RN.rms_norm(q.reshape(T * hq, d).contiguous(), L.q_norm, eps, impl=im["norm"]).view(T, hq, d)
             k = RN.rms_norm(k.reshape(T * hkv, d).contiguous(), L.k_norm, eps, impl=im["norm"]).view(T, hkv, d)
@@ -329,18 +337,19 @@ class Qwen3Model:
             A.write_kv(k.contiguous(), v, kc, vc, batch.slot_mapping)
             o = A.attention(q.contiguous(), kc, vc, batch.block_table, batch.seq_lens, batch.query_start_loc,
                             impl=im["attention"])
-            o = linear(o.reshape(T, hq * d), L.o, impl=im["linear"])
+            o = linear(o.reshape(T, hq * d), L.o, impl=im["linear"], config=lc)
             h, residual = RN.fused_add_rms_norm(o, residual, L.post_norm, eps, impl=im["norm"])
             if c.is_moe:
                 m = MOE.fused_moe(h, L.router, L.experts_gate_up, L.experts_down, c.num_experts_per_tok,
                                   renormalize=c.norm_topk_prob, impl=im["moe"])
             else:
-                gu = linear(h, L.gate_up, impl=im["linear"])
+                gu = linear(h, L.gate_up, impl=im["linear"], config=lc)
                 inter = gu.shape[1] // 2
                 act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(gu.dtype)
-                m = linear(act, L.down, impl=im["linear"])
+                m = linear(act, L.down, impl=im["linear"], config=lc)
             nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             h, residual = RN.fused_add_rms_norm(m, residual, nxt, eps, impl=im["norm"])
         h = h[batch.logits_indices].contiguous()
-        logits = linear(h, self.lm_head, impl=im["linear"])
-        return torch.log_softmax(logits.float(), dim=-1)
+        logits = linear(h, self.lm_head, impl=im["linear"], config=lc)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return (logprobs, h) if return_hidden else logprobs
