@@ -19,6 +19,7 @@ from batch_invariance_kit.ops import matmul as MM
 from batch_invariance_kit.ops import moe as MOE
 from batch_invariance_kit.ops import rms_norm as RN
 from batch_invariance_kit.vllm import check as V
+from batch_invariance_kit.vllm import plugin as P
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,8 +44,8 @@ def test_args_defaults_and_plan_order():
     (["--out", "x", "--attention-backend", "FLASHINFER"], "--attention-backend"),
     (["--out", "x", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     ([], "--out"),
-    (["--worker", "--mode", "kit", "--folder", "f", "--part", "p", "--deadline", "1"], "--model"),
-    (["--worker", "--model", "dense", "--mode", "fast", "--folder", "f", "--part", "p", "--deadline", "1"],
+    (["--worker", "--mode", "kit", "--folder", "f", "--part", "p", "--deadline", "1"], "--model-name"),
+    (["--worker", "--model-name", "dense", "--mode", "fast", "--folder", "f", "--part", "p", "--deadline", "1"],
      "--mode"),
 ])
 def test_args_errors_name_the_argument(argv, needle):
@@ -63,6 +64,9 @@ def test_worker_env():
     assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     for mode in ("invariant", "kit"):
         assert V.worker_env(mode, {})["VLLM_BATCH_INVARIANT"] == "1"
+    # the kit's plugin is switched on in kit mode only; nothing needs insecure serialization
+    assert [V.worker_env(m, {})["KIT_BATCH_INVARIANT"] for m in V.MODES] == ["0", "0", "1"]
+    assert all("VLLM_ALLOW_INSECURE_SERIALIZATION" not in V.worker_env(m, {}) for m in V.MODES)
 
 
 def test_imports_without_vllm_and_help():
@@ -145,7 +149,7 @@ def test_decode_vs_prefill():
 def _part(model, mode, *, bs_equal=True, unique=1, dvp_equal=True, calls=None, status="done"):
     runs = [{"batch_size": n, "tokens_equal": True, "logprobs_equal": bs_equal,
              "max_abs_diff": 0.0 if bs_equal else 0.03} for n in V.BATCH_SIZES[1:]]
-    swapped = {"RMSNorm": "KitRMSNorm", "UnquantizedFusedMoEMethod": "KitMoEMethod"} if mode == "kit" else None
+    swapped = {"RMSNorm": "KitRMSNorm", "moe": "KitMoEMethod"} if mode == "kit" else None
     return {"model": model, "mode": mode, "status": status, "init_s": 30.0, "swapped": swapped,
             "engine": {"enforce_eager": mode == "kit"}, "kit_calls": calls or {},
             "experiments": {
@@ -226,7 +230,7 @@ def test_driver_budget_skips_and_incremental_saves(tmp_path):
         if kind == "build":
             clock.t += 10
             return {"rc": 0, "seconds": 10}
-        model, mode = cmd[cmd.index("--model") + 1], cmd[cmd.index("--mode") + 1]
+        model, mode = cmd[cmd.index("--model-name") + 1], cmd[cmd.index("--mode") + 1]
         assert float(cmd[cmd.index("--deadline") + 1]) == 1000.0 + 300 - 5.0
         clock.t += 100
         part = Path(cmd[cmd.index("--part") + 1])
@@ -288,7 +292,8 @@ def test_run_subprocess_kills_the_group_on_timeout(tmp_path):
     assert r == {**r, "rc": 0, "timed_out": False} and "ok" in r["log_tail"]
 
 
-# ----------------------------------------------------------------------------- kit replacements
+# ----------------------------------------------------------------------------- the plugin's CUDA replacements
+# (the kit's Triton kernels; here under the interpreter)
 
 def test_kit_rms_norm_forward_matches_the_kit_ops():
     g = torch.Generator().manual_seed(0)
@@ -296,19 +301,19 @@ def test_kit_rms_norm_forward_matches_the_kit_ops():
     qkv = torch.randn(T, (hq + 2) * d, generator=g)
     q = qkv[:, :hq * d].view(T, hq, d)                 # strided, like Qwen3's q_by_head
     w = 1 + 0.1 * torch.randn(d, generator=g)
-    out = V.kit_rms_norm_forward(q, w, 1e-6)
+    out = P.kit_rms_norm_forward(q, w, 1e-6)
     assert out.shape == q.shape
     ref = RN.rms_norm(q.reshape(-1, d).contiguous(), w, 1e-6, impl="invariant").view(T, hq, d)
     assert torch.equal(out, ref)
     x, r = (torch.randn(T, 64, generator=g) for _ in range(2))
     wh = 1 + 0.1 * torch.randn(64, generator=g)
-    before = dict(V.KIT_CALLS)
-    o, z = V.kit_rms_norm_forward(x, wh, 1e-5, residual=r)
+    before = {k: P.CALLS.get(k, 0) for k in ("fused_add_rms_norm", "weight_casts")}
+    o, z = P.kit_rms_norm_forward(x, wh, 1e-5, residual=r)
     o2, z2 = RN.fused_add_rms_norm(x, r, wh, 1e-5, impl="invariant")
     assert torch.equal(o, o2) and torch.equal(z, z2)
-    assert V.KIT_CALLS["fused_add_rms_norm"] == before["fused_add_rms_norm"] + 1
-    o3 = V.kit_rms_norm_forward(x, wh.double(), 1e-5)   # the weight follows x's dtype
-    assert torch.equal(o3, RN.rms_norm(x, wh, 1e-5)) and V.KIT_CALLS["weight_casts"] == before["weight_casts"] + 1
+    assert P.CALLS["fused_add_rms_norm"] == before["fused_add_rms_norm"] + 1
+    o3 = P.kit_rms_norm_forward(x, wh.double(), 1e-5)   # the weight follows x's dtype
+    assert torch.equal(o3, RN.rms_norm(x, wh, 1e-5)) and P.CALLS["weight_casts"] == before["weight_casts"] + 1
 
 
 def test_kit_moe_from_logits_matches_fused_moe():
@@ -319,9 +324,9 @@ def test_kit_moe_from_logits_matches_fused_moe():
     w13 = torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5   # vLLM's w13_weight: gate rows, then up
     w2 = torch.randn(E, H, inter, generator=g) * inter ** -0.5    # vLLM's w2_weight
     logits = MM.linear(x, router, impl="invariant")
-    n0 = V.KIT_CALLS["moe"]
-    out = V.kit_moe_from_logits(x, logits, w13, w2, k, True)
-    assert V.KIT_CALLS["moe"] == n0 + 1
+    n0 = P.CALLS.get("moe", 0)
+    out = P.kit_moe_from_logits(x, logits, w13, w2, k, True)
+    assert P.CALLS["moe"] == n0 + 1
     assert torch.equal(out, MOE.fused_moe(x, router, w13, w2, k, renormalize=True, impl="invariant"))
 
 
@@ -354,3 +359,53 @@ def test_driver_retries_moe_kit_without_the_moe_swap(tmp_path):
     assert "kit MoE" in job["first_attempt"]["errors"][0]["traceback"] and job["rc"] == 0
     kit = [c for c in saved[-1] if "kit's kernels" in c["name"]]
     assert len(kit) == 1 and kit[0]["passed"] and "moe" not in kit[0]["name"].split("> 0:")[1]
+
+
+# ----------------------------------------------------------------------------- --model PATH
+
+def test_model_path_argument(tmp_path):
+    with pytest.raises(ValueError, match="--model"):
+        V.parse_args(["--model", str(tmp_path)])          # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    a = V.parse_args(["--model", str(tmp_path)])
+    assert a.out == os.path.join("results", "local", "vllm") and a.modes == ["default", "invariant", "kit"]
+    spec = V.user_spec(str(tmp_path), gpu=False)          # no tokenizer: random ids below vocab_size
+    assert len(spec["targets"]) == 2 and all(2 <= t < 300 for p in spec["targets"] + spec["fillers"] for t in p)
+    assert [b["fillers"] + 2 for b in spec["batches"]] == [9, 33, 33, 33]
+    assert spec == V.user_spec(str(tmp_path), gpu=False)
+
+
+def _doc(mode, *, shift=0.0, tokens_flip=False, status="done"):
+    alone = [{"tokens": [5, 6, 7], "logprobs": [-1.0, -2.0, -0.5], "text": "a"},
+             {"tokens": [8, 9, 9], "logprobs": [-0.25, -1.5, -3.0], "text": "b"}]
+    def moved(c):
+        return {"tokens": [c["tokens"][0], 99 if tokens_flip else c["tokens"][1], c["tokens"][2]],
+                "logprobs": [x + shift for x in c["logprobs"]], "text": "c"}
+    batches = [{"seed": s, "requests": n, "positions": [0, 1], "targets": [moved(alone[0]), moved(alone[1])]}
+               for s, n in ((109, 9), (133, 33), (800, 33))]
+    doc = {"status": status, "mode": mode, "seconds": 50.0, "init_s": 20.0, "alone": alone, "batches": batches,
+           "decode_vs_prefill": [{"target": 0, "decode": [-1.0, -2.0, -0.5], "prefill": [-1.0, -2.0 + shift, -0.5],
+                                  "last_token_equal": True}]}
+    if mode == "kit":
+        doc["plugin"] = {"calls": {"linear": 10, "rms_norm": 3}}
+    return doc
+
+
+def test_user_checks_and_verdict():
+    docs = {"default": _doc("default", shift=2 ** -10, tokens_flip=True),
+            "invariant": {"status": "init_failed", "seconds": 9.0, "error": "Traceback\nTypeError: boom"},
+            "kit": _doc("kit")}
+    rows, checks = V.user_checks(docs, "cpu")
+    kit = [c for c in checks if c["name"].startswith("kit")]
+    assert len(kit) == 4 and all(c["passed"] and not c.get("informational") for c in kit)
+    default = [c for c in checks if c["name"].startswith("default")]
+    assert all(c["informational"] and not c["passed"] for c in default)
+    inv = [c for c in checks if c["name"].startswith("invariant")]
+    assert inv[0]["informational"] and "TypeError: boom" in inv[0]["reason"]     # CPU: vLLM's mode cannot run
+    assert V.user_checks(docs, "cuda")[1][3]["informational"] is False            # on a GPU it must
+    page = V.verdict_page("m", "cpu", "0.32.0", rows, checks)
+    assert "kit: batch-invariant" in page and "default: NOT batch-invariant" in page
+    assert "bs9: tokens differ" in page and "3 of 3 positions" in page
+    # the kit's counters must show that its replacements ran
+    docs["kit"]["plugin"] = {"calls": {"rms_norm": 3}}
+    assert not [c for c in V.user_checks(docs, "cpu")[1] if "replacements ran" in c["name"]][0]["passed"]

@@ -14,12 +14,13 @@ staged):
 
 * ``default``: vLLM as shipped (torch.compile + CUDA graphs);
 * ``invariant``: ``VLLM_BATCH_INVARIANT=1``, vLLM's own batch-invariant mode;
-* ``kit``: ``VLLM_BATCH_INVARIANT=1`` *and* the kit's Triton kernels swapped in through vLLM's
-  out-of-tree extension point ``CustomOp.register_oot``: every ``RMSNorm`` (plain and fused
-  residual-add: input/post-attention norms, per-head q/k norms, the final norm) runs
-  :func:`batch_invariance_kit.ops.rms_norm.rms_norm` / :func:`batch_invariance_kit.ops.rms_norm.fused_add_rms_norm`, and the MoE
-  experts (routing from vLLM's router logits, dispatch, grouped GEMMs, combine) run
-  :mod:`batch_invariance_kit.ops.moe`.  Attention stays vLLM's (see :data:`ATTENTION_NOT_SWAPPED`).  Kit mode runs
+* ``kit``: ``KIT_BATCH_INVARIANT=1``: the kit's vLLM plugin (:mod:`batch_invariance_kit.vllm.plugin`,
+  loaded by vLLM through its ``vllm.general_plugins`` entry point) sets ``VLLM_BATCH_INVARIANT=1``
+  and swaps the kit's Triton kernels in through ``CustomOp.register_oot``: every ``RMSNorm``
+  (plain and fused residual-add: input/post-attention norms, per-head q/k norms, the final norm)
+  runs :mod:`batch_invariance_kit.ops.rms_norm`, and the MoE experts (routing from vLLM's router
+  logits, dispatch, grouped GEMMs, combine) run :mod:`batch_invariance_kit.ops.moe`.  Attention
+  stays vLLM's (see :data:`ATTENTION_NOT_SWAPPED`).  Kit mode runs
   eagerly (``enforce_eager=True``: no torch.compile, no CUDA graphs) unless ``--kit-compiled``, so
   the call counters of the swapped kernels count every call.
 
@@ -68,13 +69,16 @@ from pathlib import Path
 
 import torch
 
+from . import plugin
+
 MODEL_NAMES = ("dense", "moe")
 MODES = ("default", "invariant", "kit")
 #: Environment of every worker (the README of shared/device/vllm: both are required).
-BASE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+BASE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 #: Extra environment per mode (``default`` removes VLLM_BATCH_INVARIANT if the caller set it).
-MODE_ENV = {"default": {}, "invariant": {"VLLM_BATCH_INVARIANT": "1"}, "kit": {"VLLM_BATCH_INVARIANT": "1"}}
+MODE_ENV = {"default": {"KIT_BATCH_INVARIANT": "0"},
+            "invariant": {"KIT_BATCH_INVARIANT": "0", "VLLM_BATCH_INVARIANT": "1"},
+            "kit": {"KIT_BATCH_INVARIANT": "1", "VLLM_BATCH_INVARIANT": "1"}}
 ATTENTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
 ATTENTION_NOT_SWAPPED = (
     "not swapped: vLLM 0.26 allows it (register_backend(AttentionBackendEnum.CUSTOM, ...) in "
@@ -119,6 +123,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m batch_invariance_kit.vllm.check", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="folder of vllm_check.json (and parts/, logs/)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="a local Hugging Face model folder: check vLLM on it on the present device (CPU or GPU) "
+                        "instead of the kit's random-weight models")
     p.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated subset of dense,moe")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of default,invariant,kit")
     p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the whole run (s)")
@@ -133,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
     # internal: the subprocesses
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--model-name", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     p.add_argument("--part", help=argparse.SUPPRESS)
@@ -156,14 +163,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.model_dir is None:
         a.model_dir = os.path.join(tempfile.gettempdir(), "kit-models")
     if a.worker:
-        for name in ("model", "mode", "folder", "part", "deadline"):
+        for name in ("model_name", "mode", "folder", "part", "deadline"):
             if getattr(a, name) is None:
-                raise ValueError(f"--worker needs --{name}")
-        if a.model not in MODEL_NAMES:
-            raise ValueError(f"--model must be one of {list(MODEL_NAMES)}, got {a.model!r}")
+                raise ValueError(f"--worker needs --{name.replace('_', '-')}")
+        if a.model_name not in MODEL_NAMES:
+            raise ValueError(f"--model-name must be one of {list(MODEL_NAMES)}, got {a.model_name!r}")
         if a.mode not in MODES:
             raise ValueError(f"--mode must be one of {list(MODES)}, got {a.mode!r}")
-    elif not a.build and not a.dry_run and not a.out:
+    if a.model is not None and not os.path.isfile(os.path.join(a.model, "config.json")):
+        raise ValueError(f"--model must be a local Hugging Face folder with a config.json, got {a.model!r}")
+    if a.model is not None and not a.out:
+        a.out = os.path.join("results", "local", "vllm")
+    if not a.worker and not a.build and not a.dry_run and not a.out:
         raise ValueError("--out is required (the folder of vllm_check.json)")
     return a
 
@@ -257,151 +268,6 @@ def decode_vs_prefill(decode_tokens: list, decode_lps: list, prompt_len: int, pr
 
 
 # ---------------------------------------------------------------------------------------------
-# The kit's kernels inside vLLM (kit mode)
-# ---------------------------------------------------------------------------------------------
-
-#: Calls of the swapped kernels in this process (incremented by the replacement forwards; in
-#: eager mode every call; under CUDA graphs only the calls made outside a replay).
-KIT_CALLS = {"rms_norm": 0, "fused_add_rms_norm": 0, "moe": 0, "weight_casts": 0}
-_KIT_OPS = None
-
-
-def kit_ops() -> dict:
-    """The kit's RMSNorm kernels as torch custom ops (``kit_vllm_check::rms_norm`` and
-    ``::fused_add_rms_norm``): opaque to torch.compile (it sees the fake, shape-only version),
-    plain calls in eager mode.  Registered once per process, on first use."""
-    global _KIT_OPS
-    if _KIT_OPS is not None:
-        return _KIT_OPS
-    from ..ops import rms_norm as RN
-
-    @torch.library.custom_op("kit_vllm_check::rms_norm", mutates_args=())
-    def kit_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return RN.rms_norm(x, weight, eps, impl="invariant")
-
-    @kit_rms_norm.register_fake
-    def _(x, weight, eps):
-        return torch.empty_like(x)
-
-    @torch.library.custom_op("kit_vllm_check::fused_add_rms_norm", mutates_args=())
-    def kit_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return RN.fused_add_rms_norm(x, residual, weight, eps, impl="invariant")
-
-    @kit_fused_add_rms_norm.register_fake
-    def _(x, residual, weight, eps):
-        return torch.empty_like(x), torch.empty_like(x)
-
-    _KIT_OPS = {"rms_norm": kit_rms_norm, "fused_add_rms_norm": kit_fused_add_rms_norm}
-    return _KIT_OPS
-
-
-def kit_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None):
-    """vLLM's ``RMSNorm.forward`` contract on the kit's kernels: ``x`` of any shape ``(..., H)``
-    (Qwen3's q/k norms pass a strided ``(T, heads, head_dim)`` view), returns ``out`` shaped like
-    ``x``, or ``(out, x + residual)`` when a residual is given.  The kit wants 2-D contiguous
-    operands of one dtype: rows are flattened and copied when needed, the weight cast to ``x``'s
-    dtype if it differs (counted in ``KIT_CALLS["weight_casts"]``)."""
-    ops = kit_ops()
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous()
-    w = weight
-    if w.dtype != x.dtype:
-        KIT_CALLS["weight_casts"] += 1
-        w = w.to(x.dtype)
-    w = w.contiguous()
-    if residual is None:
-        KIT_CALLS["rms_norm"] += 1
-        return ops["rms_norm"](x2, w, float(eps)).view(shape)
-    KIT_CALLS["fused_add_rms_norm"] += 1
-    r2 = residual.reshape(-1, shape[-1]).contiguous()
-    out, z = ops["fused_add_rms_norm"](x2, r2, w, float(eps))
-    return out.view(shape), z.view(residual.shape)
-
-
-def kit_moe_from_logits(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        top_k: int, renormalize: bool) -> torch.Tensor:
-    """The kit's MoE from given router logits (vLLM computes them with its gate linear):
-    :func:`batch_invariance_kit.ops.moe.route` (softmax, top-k, renormalize), :func:`~batch_invariance_kit.ops.moe.dispatch`,
-    :func:`~batch_invariance_kit.ops.moe.grouped_gemm` (gate/up + SiLU-and-mul, then down), :func:`~batch_invariance_kit.ops.moe.combine`
-    -- the steps of :func:`batch_invariance_kit.ops.moe.fused_moe` after its gating matmul.  Layouts are vLLM's:
-    ``w13`` ``(E, 2I, H)`` gate rows then up rows, ``w2`` ``(E, H, I)`` (the kit's own)."""
-    from ..ops import moe as MOE
-
-    KIT_CALLS["moe"] += 1
-    x = x.contiguous()
-    logits = router_logits.contiguous()
-    T, E = x.shape[0], w13.shape[0]
-    weights, ids = MOE.route(logits, top_k, scoring="softmax", renormalize=renormalize, impl="invariant")
-    cfg = MOE.select_config(T, top_k, E, x.dtype, "invariant")
-    disp = MOE.dispatch(ids, E, cfg.block_m, validate=False)  # no host sync (CUDA-graph safe)
-    h = MOE.grouped_gemm(x, w13, disp, activation="silu_mul", gather_tokens=True, impl="invariant", config=cfg)
-    y = MOE.grouped_gemm(h, w2, disp, impl="invariant", config=cfg)
-    return MOE.combine(y, weights)
-
-
-def install_kit_ops(swap_moe: bool = True) -> dict:
-    """Register the kit's replacements with vLLM (in the worker, before ``LLM(...)`` builds the
-    model; the engine runs in this process).
-
-    * ``RMSNorm``: ``CustomOp.__new__`` (vllm/model_executor/custom_op.py) instantiates
-      ``op_registry_oot[cls.__name__]`` when one is registered, so every ``RMSNorm(...)`` of the
-      model becomes a :class:`KitRMSNorm`; its ``forward`` is overridden (not ``forward_cuda``),
-      so the choice between ``forward_native`` and ``forward_cuda`` made by
-      ``CustomOp.dispatch_forward`` / ``compilation_config.custom_ops`` does not matter.
-    * MoE: ``RoutedExperts._get_quant_method`` builds ``UnquantizedFusedMoEMethod(moe_config)``
-      for an unquantized model, replaced the same way by a subclass that says it is
-      *monolithic*: ``MoERunner._apply_quant_method`` then calls its ``apply_monolithic(layer, x,
-      router_logits)`` with the router logits of vLLM's gate instead of routing itself.
-    """
-    from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers.layernorm import RMSNorm
-
-    kit_ops()  # register the torch custom ops now, not inside the engine's first forward
-    done = {}
-
-    class KitRMSNorm(RMSNorm):
-        def forward(self, x, residual=None):
-            if self.variance_size_override is not None or not self.has_weight:
-                KIT_CALLS.setdefault("rms_norm_fallback", 0)
-                KIT_CALLS["rms_norm_fallback"] += 1
-                return super().forward(x, residual)
-            return kit_rms_norm_forward(x, self.weight.data, self.variance_epsilon, residual)
-
-    CustomOp.register_oot(KitRMSNorm, name="RMSNorm")
-    done["RMSNorm"] = "KitRMSNorm (batch_invariance_kit.ops.rms_norm, impl='invariant')"
-
-    if swap_moe:
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-        class KitMoEMethod(UnquantizedFusedMoEMethod):
-            @property
-            def is_monolithic(self) -> bool:
-                return True
-
-            def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-                unsupported = {
-                    "use_grouped_topk": bool(getattr(layer, "use_grouped_topk", False)),
-                    "custom_routing_function": getattr(layer, "custom_routing_function", None) is not None,
-                    "expert_map": getattr(layer, "expert_map", None) is not None,
-                    "e_score_correction_bias": getattr(layer, "e_score_correction_bias", None) is not None,
-                    "apply_router_weight_on_input": bool(getattr(layer, "apply_router_weight_on_input", False)),
-                    "scoring_func!=softmax": getattr(layer, "scoring_func", "softmax") != "softmax",
-                    "routed_scaling_factor!=1": float(getattr(layer, "routed_scaling_factor", 1.0) or 1.0) != 1.0,
-                }
-                bad = [k for k, v in unsupported.items() if v]
-                if bad:
-                    raise NotImplementedError(f"kit MoE swap does not support {bad}")
-                return kit_moe_from_logits(x, router_logits, layer.w13_weight, layer.w2_weight,
-                                           int(layer.top_k), bool(layer.renormalize))
-
-        CustomOp.register_oot(KitMoEMethod, name="UnquantizedFusedMoEMethod")
-        done["UnquantizedFusedMoEMethod"] = "KitMoEMethod (batch_invariance_kit.ops.moe route/dispatch/grouped_gemm/combine)"
-    done["attention"] = ATTENTION_NOT_SWAPPED
-    return done
-
-
-# ---------------------------------------------------------------------------------------------
 # The worker: one (model, mode) in this process
 # ---------------------------------------------------------------------------------------------
 
@@ -444,14 +310,14 @@ def _model_summary(model) -> dict:
 
 def run_worker(a: argparse.Namespace) -> int:
     t_start = time.time()
-    part = {"model": a.model, "mode": a.mode, "status": "starting", "experiments": {}, "errors": [],
-            "env": {k: os.environ.get(k) for k in sorted(set(BASE_ENV) | {"VLLM_BATCH_INVARIANT"})},
+    part = {"model": a.model_name, "mode": a.mode, "status": "starting", "experiments": {}, "errors": [],
+            "env": {k: os.environ.get(k) for k in sorted(set(BASE_ENV) | {"VLLM_BATCH_INVARIANT", "KIT_BATCH_INVARIANT"})},
             "quick": a.quick}
 
     def save(status=None):
         if status:
             part["status"] = status
-        part["kit_calls"] = dict(KIT_CALLS)
+        part["kit_calls"] = dict(plugin.CALLS)
         part["worker_s"] = time.time() - t_start
         _write_json(a.part, part)
 
@@ -461,9 +327,8 @@ def run_worker(a: argparse.Namespace) -> int:
     save()
     kit = a.mode == "kit"
     try:
-        if kit:
-            # the dense model has no MoE layer: do not even import vLLM's MoE method there
-            part["swapped"] = install_kit_ops(swap_moe=a.model == "moe" and not a.kit_no_moe)
+        if kit and (a.kit_no_moe or a.model_name == "dense"):
+            os.environ["KIT_MOE"] = "0"  # read by the plugin when the engine loads it, below
         import vllm
         from vllm import LLM, SamplingParams
 
@@ -483,7 +348,9 @@ def run_worker(a: argparse.Namespace) -> int:
         t0 = time.time()
         llm = LLM(**kw)
         part["init_s"] = time.time() - t0
-        part["kit_calls_after_init"] = dict(KIT_CALLS)
+        part["kit_calls_after_init"] = dict(plugin.CALLS)
+        if kit:
+            part["swapped"] = dict(plugin.REPLACEMENTS)
     except Exception:
         part["errors"].append({"stage": "init", "traceback": traceback.format_exc()})
         save("init_failed")
@@ -535,7 +402,7 @@ def run_worker(a: argparse.Namespace) -> int:
             part["experiments"][name] = {"skipped": f"budget: {left():.0f} s left before the deadline"}
             save()
             continue
-        calls0 = dict(KIT_CALLS)
+        calls0 = dict(plugin.CALLS)
         t0 = time.time()
         try:
             if name == "bs":
@@ -591,7 +458,7 @@ def run_worker(a: argparse.Namespace) -> int:
                        "wall_s": wall, "output_tokens_per_s": out_toks / wall,
                        "total_tokens_per_s": (in_toks + out_toks) / wall}
             res["seconds"] = time.time() - t0
-            res["kit_calls"] = {k: KIT_CALLS.get(k, 0) - calls0.get(k, 0) for k in KIT_CALLS}
+            res["kit_calls"] = {k: plugin.CALLS.get(k, 0) - calls0.get(k, 0) for k in plugin.CALLS}
             part["experiments"][name] = res
         except Exception:
             part["experiments"][name] = {"error": traceback.format_exc(), "seconds": time.time() - t0}
@@ -725,7 +592,7 @@ def rows_and_checks(parts: list, jobs: list) -> tuple:
             for r in ex.values():
                 for k, v in (r.get("kit_calls") or {}).items():
                     calls[k] = calls.get(k, 0) + v
-            moe_swapped = "UnquantizedFusedMoEMethod" in (p.get("swapped") or {})
+            moe_swapped = "moe" in (p.get("swapped") or {})
             need = ["rms_norm", "fused_add_rms_norm"] + (["moe"] if job["model"] == "moe" and moe_swapped else [])
             checks.append({"name": f"{label}: the kit's kernels ran inside vLLM during the experiments "
                                    f"(call counters > 0: {', '.join(need)})",
@@ -792,7 +659,7 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
         part_path = out / "parts" / f"{j['model']}__{j['mode']}.json"
         if part_path.exists():
             part_path.unlink()
-        cmd = me + ["--worker", "--model", j["model"], "--mode", j["mode"],
+        cmd = me + ["--worker", "--model-name", j["model"], "--mode", j["mode"],
                     "--folder", os.path.join(a.model_dir, j["model"]), "--part", str(part_path),
                     "--deadline", repr(deadline - 5.0), "--attention-backend", a.attention_backend,
                     "--gpu-memory-utilization", repr(a.gpu_memory_utilization)]
@@ -832,6 +699,158 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
     return extra
 
 
+# ---------------------------------------------------------------------------------------------
+# --model PATH: a user's own model on the present device (CPU or GPU)
+# ---------------------------------------------------------------------------------------------
+
+#: ``--model`` modes -> :data:`batch_invariance_kit.vllm.runner.MODES`.
+USER_MODES = {"default": "default", "invariant": "vllm-invariant", "kit": "kit"}
+
+
+def user_spec(folder, *, gpu: bool, quick: bool = False) -> dict:
+    """The experiment of ``--model``: two targets (``bs``: a short one, and the ``needle``: a
+    longer one), answered alone, then among ``N - 1`` fillers for each N of the bs sweep, then
+    among all fillers in more orders (the needle trials); decode vs prefill for the first.
+
+    A folder with a tokenizer gets chat prompts (:mod:`.chat`); one without gets random token
+    ids below its ``vocab_size``."""
+    from . import chat
+    from .runner import make_spec
+
+    sizes = (9, 33) if not gpu or quick else (9, 33, 49)
+    trials = 1 if quick else 2
+    new = 16 if not gpu else NEW_TOKENS
+    n_fill = max(sizes) - 2
+    with open(os.path.join(folder, "config.json")) as f:
+        vocab = int(json.load(f).get("vocab_size", VOCAB))
+    rng = random.Random(5)
+    if any(os.path.exists(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(folder)
+        targets = [chat.encode(tok, chat.TARGETS[0]),
+                   chat.encode(tok, " ".join(chat.TARGETS[1:]) + " Answer the first question only.")]
+        pool = list(chat.FILLERS)
+        fillers = [chat.encode(tok, pool[i % len(pool)] + ("" if i < len(pool) else " Be brief."))
+                   for i in range(n_fill)]
+    else:
+        targets = [random_prompt(64, 11, vocab), random_prompt(200, 12, vocab)]
+        fillers = [random_prompt(rng.randint(8, 160), 100 + i, vocab) for i in range(n_fill)]
+    batches = [{"fillers": n - 2, "seed": 100 + n} for n in sizes]
+    batches += [{"fillers": n_fill, "seed": 800 + t} for t in range(trials)]
+    return make_spec(targets, fillers, max_tokens=new, filler_max_tokens=[rng.randint(2, 2 * new) for _ in fillers],
+                     batches=batches, decode_vs_prefill=1, dtype="bfloat16",
+                     max_model_len=max(len(p) for p in targets + fillers) + 2 * new + 8)
+
+
+def user_checks(docs: dict, platform: str) -> tuple:
+    """Rows and checks of ``--model`` from the runner's documents per mode (``{mode: doc}``)."""
+    from .runner import summarize
+
+    rows, checks = [], []
+    for mode, d in docs.items():
+        label = f"{mode}"
+        if d.get("status") != "done":
+            informational = mode == "default" or (mode == "invariant" and platform == "cpu")
+            last = [ln for ln in (d.get("error") or d.get("log_tail") or "").strip().splitlines() if ln][-1:]
+            rows.append({"op": "vllm_model", "impl": mode, "status": d.get("status"), "seconds": d.get("seconds"),
+                         "error": last[0] if last else None})
+            checks.append({"name": f"{label}: the engine ran the experiment", "passed": False,
+                           "informational": informational, "reason": last[0] if last else d.get("status")})
+            continue
+        s = summarize(d)
+        alone = d["alone"]
+        bs = []
+        for b in d["batches"]:
+            t = b["targets"][0]
+            bs.append({"batch_size": b["requests"], "seed": b["seed"], **compare(alone[0]["tokens"], alone[0]["logprobs"],
+                                                                                t["tokens"], t["logprobs"])})
+        needle = distinct([(alone[1]["tokens"], alone[1]["logprobs"])]
+                          + [(b["targets"][1]["tokens"], b["targets"][1]["logprobs"]) for b in d["batches"]])
+        dv = d["decode_vs_prefill"][0]
+        dvp = {"positions": len(dv["decode"]), "equal_positions": sum(x == y for x, y in zip(dv["decode"], dv["prefill"])),
+               "max_abs_diff": max(abs(x - y) for x, y in zip(dv["decode"], dv["prefill"]))}
+        row = {"op": "vllm_model", "impl": mode, "status": "done", "seconds": d.get("seconds"), "init_s": d.get("init_s"),
+               "bs": bs, "needle": needle, "decode_vs_prefill": dvp, "alone_text": alone[0].get("text"),
+               "plugin": d.get("plugin"), "summary": {k: s[k] for k in ("tokens_changed", "logprobs_changed")}}
+        rows.append(row)
+        bs_equal = all(x["tokens_equal"] and x["logprobs_equal"] for x in bs)
+        needle_one = needle["unique_token_sequences"] == 1 and needle["unique_logprob_sequences"] == 1
+        dvp_equal = dvp["equal_positions"] == dvp["positions"]
+        informational = mode == "default"
+        sizes = sorted({x["batch_size"] for x in bs})
+        checks.append({"name": f"{label}: bs1 == bsN bitwise (tokens and logprobs) for N in {sizes}",
+                       "passed": bs_equal, "informational": informational,
+                       "max_abs_diff": max(x["max_abs_diff"] for x in bs)})
+        checks.append({"name": f"{label}: needle: 1 distinct completion among {needle['n']} runs",
+                       "passed": needle_one, "informational": informational, **needle})
+        checks.append({"name": f"{label}: decode logprobs == prefill prompt logprobs, bitwise",
+                       "passed": dvp_equal, "informational": informational, **dvp})
+        if mode == "kit":
+            calls = (d.get("plugin") or {}).get("calls", {})
+            need = ["linear", "rms_norm"] if platform == "cpu" else ["rms_norm"]
+            checks.append({"name": f"kit: the plugin's replacements ran inside vLLM ({', '.join(need)} > 0)",
+                           "passed": all(calls.get(k, 0) > 0 for k in need), "calls": calls})
+    return rows, checks
+
+
+def verdict_page(model: str, platform: str, version: str, rows: list, checks: list) -> str:
+    """The one-page answer to "is my deployment batch-invariant?"."""
+    out = [f"vLLM {version} on {platform}: {model}", ""]
+    for r in rows:
+        if r["status"] != "done":
+            out.append(f"{r['impl']:<10} did not run the experiment ({r['status']}): {r.get('error')}")
+            continue
+        bs = ", ".join(f"bs{x['batch_size']}: {'same' if x['tokens_equal'] and x['logprobs_equal'] else ('tokens differ' if not x['tokens_equal'] else 'logprobs differ')}"
+                       for x in r["bs"])
+        n = r["needle"]
+        dv = r["decode_vs_prefill"]
+        out.append(f"{r['impl']:<10} {r['seconds']:.0f} s")
+        out.append(f"  bs1 vs bsN : {bs}")
+        out.append(f"  needle     : {n['unique_token_sequences']} token / {n['unique_logprob_sequences']} "
+                   f"log-prob sequence(s) among {n['n']} runs")
+        out.append(f"  decode vs prefill: {dv['equal_positions']} of {dv['positions']} positions bitwise equal")
+    out.append("")
+    for c in checks:
+        tag = "INFO" if c.get("informational") else ("PASS" if c["passed"] else "FAIL")
+        out.append(f"  {tag}  {c['name']}")
+    inv = {r["impl"]: (all(c["passed"] for c in checks if c["name"].startswith(r["impl"] + ":")) and r["status"] == "done")
+           for r in rows}
+    out.append("")
+    out.append("verdict: " + "; ".join(f"{m}: {'batch-invariant' if ok else 'NOT batch-invariant'}"
+                                       for m, ok in inv.items()))
+    return "\n".join(out)
+
+
+def run_user_model(a: argparse.Namespace) -> int:
+    from ..report import results
+    from .runner import run_mode
+
+    gpu = torch.cuda.is_available()
+    platform = "cuda" if gpu else "cpu"
+    spec = user_spec(a.model, gpu=gpu, quick=a.quick)
+    t0 = time.time()
+    docs = {}
+    for mode in a.modes:
+        left = a.budget_s - (time.time() - t0)
+        if left < 30:
+            docs[mode] = {"status": "skipped", "error": f"budget: {left:.0f} s left"}
+            continue
+        docs[mode] = run_mode(a.model, USER_MODES[mode], spec, timeout=left)
+        print(f"{mode:<10} {docs[mode].get('status')} in {docs[mode].get('seconds', 0):.0f} s", flush=True)
+    version = next((d.get("vllm") for d in docs.values() if d.get("vllm")), "?")
+    rows, checks = user_checks(docs, platform)
+    extra = {"plan": {"model": os.path.abspath(a.model), "modes": a.modes, "platform": platform,
+                      "batches": spec["batches"], "max_tokens": spec["max_tokens"],
+                      "targets": [len(t) for t in spec["targets"]], "fillers": len(spec["fillers"])}}
+    results.save("vllm_check_model", rows, checks, folder=Path(a.out), extra=extra,
+                 command="python -m batch_invariance_kit.vllm.check " + " ".join(sys.argv[1:]))
+    print(verdict_page(a.model, platform, version, rows, checks))
+    print(f"wrote {Path(a.out) / 'vllm_check_model.json'}")
+    hard = [c for c in checks if not c.get("informational")]
+    return 0 if all(c["passed"] for c in hard) else 1
+
+
 def main(argv=None) -> int:
     try:
         a = parse_args(argv)
@@ -842,6 +861,8 @@ def main(argv=None) -> int:
         return run_build(a)
     if a.worker:
         return run_worker(a)
+    if a.model is not None:
+        return run_user_model(a)
     if a.dry_run:
         jobs = plan(a.models, a.modes)
         print(json.dumps({"jobs": [{"model": m, "mode": mode, "env": {**BASE_ENV, **MODE_ENV[mode]},

@@ -65,6 +65,8 @@ ENV_SWITCH = "KIT_BATCH_INVARIANT"
 ENV_REPORT = "KIT_PLUGIN_REPORT"
 ENV_ATTENTION = "KIT_ATTENTION"
 ENV_TILE_M = "KIT_TILE_M"
+#: ``KIT_MOE=0`` leaves vLLM's MoE method in place (the other replacements still apply).
+ENV_MOE = "KIT_MOE"
 #: Rows per GEMM tile on the CPU (``KIT_TILE_M`` overrides it).
 TILE_M = 16
 REPORT_INTERVAL_S = 1.0
@@ -321,6 +323,8 @@ def _register_cpu() -> None:
         register_backend(AttentionBackendEnum.CPU_ATTN, ATTENTION_BACKEND)
         REPLACEMENTS["attention"] = f"{ATTENTION_BACKEND} in place of CPU_ATTN"
 
+    if os.environ.get(ENV_MOE, "1") == "0":
+        return
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     class KitCPUMoEMethod(UnquantizedFusedMoEMethod):
@@ -437,6 +441,18 @@ def _register_cuda() -> None:
     CustomOp.register_oot(KitRMSNorm, name="RMSNorm")
     REPLACEMENTS["RMSNorm"] = "KitRMSNorm: batch_invariance_kit.ops.rms_norm (Triton, impl='invariant')"
 
+    if os.environ.get(ENV_MOE, "1") != "0":
+        _register_cuda_moe()
+    if os.environ.get(ENV_ATTENTION, "1") != "0" and _has_attention_backend():
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
+        REPLACEMENTS["attention"] = (f"{ATTENTION_BACKEND} registered as CUSTOM "
+                                     "(selected with attention_config={'backend': 'CUSTOM'})")
+
+
+def _register_cuda_moe() -> None:
+    from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     class KitMoEMethod(UnquantizedFusedMoEMethod):
@@ -462,13 +478,6 @@ def _register_cuda() -> None:
 
     CustomOp.register_oot(KitMoEMethod, name="UnquantizedFusedMoEMethod")
     REPLACEMENTS["moe"] = "KitMoEMethod: batch_invariance_kit.ops.moe route/dispatch/grouped_gemm/combine"
-
-    if os.environ.get(ENV_ATTENTION, "1") != "0" and _has_attention_backend():
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-        register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
-        REPLACEMENTS["attention"] = (f"{ATTENTION_BACKEND} registered as CUSTOM "
-                                     "(selected with attention_config={'backend': 'CUSTOM'})")
 
 
 # ---------------------------------------------------------------------------------------------
