@@ -1,0 +1,121 @@
+"""The kit's ops as torch custom ops: ``torch.compile(fullgraph=True)`` traces through each one
+(one graph, no break: the fake implementation gives shapes) and the compiled function gives the
+eager bits; the in-place forms mutate their arguments as declared.  Small sizes (the Triton
+interpreter runs the kernels on CPU)."""
+import pytest
+import torch
+
+import batch_invariance_kit
+from batch_invariance_kit.ops import attention as A
+from batch_invariance_kit.ops import custom_ops as K
+from batch_invariance_kit.verify.harness import bitwise_equal, seeded_normal
+
+DEV = batch_invariance_kit.DEVICE
+OPS = torch.ops.batch_invariance_kit
+
+
+def _compiled_equals_eager(fn, *args):
+    """``fn`` compiled with fullgraph=True (a graph break would raise) gives eager's bits."""
+    torch._dynamo.reset()
+    eager = fn(*args)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+    eager, compiled = (eager, compiled) if isinstance(eager, tuple) else ((eager,), (compiled,))
+    assert len(eager) == len(compiled)
+    for e, c in zip(eager, compiled):
+        assert bitwise_equal(c, e)
+
+
+def _x(shape, seed, dtype=torch.bfloat16):
+    return seeded_normal(shape, seed, dtype=dtype, device=DEV)
+
+
+def test_fake_implementations_give_shapes_without_running():
+    """Every op is registered in ``torch.ops.batch_invariance_kit`` and its fake implementation
+    answers on fake tensors (what torch.compile traces with)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for name in K.__all__[1:]:
+        assert isinstance(getattr(OPS, name), torch._ops.OpOverloadPacket), name
+    with FakeTensorMode():
+        x, w = torch.empty((5, 64), dtype=torch.bfloat16), torch.empty((64,), dtype=torch.bfloat16)
+        assert OPS.rms_norm(x, w, 1e-6).shape == (5, 64)
+        assert OPS.linear(x, torch.empty((7, 64), dtype=torch.bfloat16)).shape == (5, 7)
+        q = torch.empty((3, 4, 32), dtype=torch.bfloat16)
+        kc = torch.empty((8, 16, 2, 32), dtype=torch.bfloat16)
+        i32 = torch.empty((2,), dtype=torch.int32)
+        assert OPS.attention(q, kc, kc, torch.empty((2, 4), dtype=torch.int32), i32,
+                             torch.empty((3,), dtype=torch.int32)).shape == (3, 4, 32)
+
+
+def test_norms_compiled_equal_eager():
+    x, r, w = _x((37, 256), 1), _x((37, 256), 2), _x((256,), 3)
+
+    def f(x, r, w):
+        h = OPS.rms_norm(x, w, 1e-6)
+        return OPS.fused_add_rms_norm(h, r, w, 1e-6)
+
+    _compiled_equals_eager(f, x, r, w)
+    # the in-place form: residual <- x + residual, x <- rms_norm(residual)
+    want_out, want_res = K.fused_add_rms_norm(x, r, w, 1e-6)
+    x2, r2 = x.clone(), r.clone()
+    torch.compile(lambda a, b: OPS.fused_add_rms_norm_(a, b, w, 1e-6), fullgraph=True, backend="aot_eager")(x2, r2)
+    assert bitwise_equal(x2, want_out) and bitwise_equal(r2, want_res)
+
+
+def test_linear_and_moe_compiled_equal_eager():
+    x, w, b = _x((19, 64), 4), _x((48, 64), 5), _x((48,), 6)
+    _compiled_equals_eager(lambda x, w, b: OPS.linear(x, w, b) + OPS.linear(x, w), x, w, b)
+    E, H, I = 4, 64, 32
+    xm = _x((11, H), 7)
+    router, gu, down = _x((E, H), 8), _x((E, 2 * I, H), 9), _x((E, H, I), 10)
+    _compiled_equals_eager(lambda x: OPS.fused_moe(x, router, gu, down, 2), xm)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_attention_and_write_kv_compiled_equal_eager(backend):
+    """A mixed step (a chunk starting at an odd position, a decode step): write the new keys,
+    then attend, inside one compiled graph (traced only, and compiled by Inductor as vLLM
+    does); the same bits and the same cache as eager."""
+    HQ, HKV, D, BS = 4, 2, 32, 16
+    lens, qls = [45, 20], [9, 1]
+    T = sum(qls)
+    q, k, v = _x((T, HQ, D), 11), _x((T, HKV, D), 12), _x((T, HKV, D), 13)
+    hist_k, hist_v = _x((sum(lens), HKV, D), 14), _x((sum(lens), HKV, D), 15)
+    bt = A.allocate_blocks(lens, BS, 8, seed=1, device=DEV)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    seq_lens = torch.tensor(lens, **i32)
+    qsl = torch.tensor([0, qls[0], T], **i32)
+    new_slots = torch.cat([A.slots(bt, s, lens[s] - qls[s], lens[s], BS) for s in range(2)])
+    old_slots = torch.cat([A.slots(bt, s, 0, lens[s], BS) for s in range(2)])
+
+    def caches():
+        kc, vc = A.new_cache(8, BS, HKV, D, torch.bfloat16, device=DEV)
+        A.write_kv(hist_k, hist_v, kc, vc, old_slots)
+        return kc, vc
+
+    def f(q, k, v, kc, vc):
+        OPS.write_kv(k, v, kc, vc, new_slots)
+        return OPS.attention(q, kc, vc, bt, seq_lens, qsl)
+
+    ke, ve = caches()
+    eager = f(q, k, v, ke, ve)
+    torch._dynamo.reset()
+    kc, vc = caches()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)(q, k, v, kc, vc)
+    assert bitwise_equal(compiled, eager) and bitwise_equal(kc, ke) and bitwise_equal(vc, ve)
+    assert bitwise_equal(eager, A.attention(q, ke, ve, bt, seq_lens, qsl))
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "linear"])
+def test_variant_passes_through_the_op(op):
+    """The ``impl`` argument reaches the kernel: the variant's launch is the one the plain
+    function picks for the same input (the same bits as calling it directly)."""
+    x, w = _x((300, 256), 16), _x((256,), 17)
+    if op == "rms_norm":
+        got = OPS.rms_norm(x, w, 1e-6, "variant")
+        want = batch_invariance_kit.ops.rms_norm.rms_norm(x, w, 1e-6, impl="variant")
+    else:
+        wl = _x((32, 256), 18)
+        got = OPS.linear(x, wl, None, "variant")
+        want = batch_invariance_kit.ops.matmul.linear(x, wl, impl="variant")
+    assert bitwise_equal(got, want)
