@@ -13,6 +13,10 @@ PY=${PYTHON:-python3}
 setup() {
   if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv --system-site-packages .venv
+    # When $PY is itself a virtual environment (a GPU box's torch often lives in one), the new
+    # environment sees that environment's packages too, not only the base interpreter's.
+    "$PY" -c "import site, sys; sys.prefix != sys.base_prefix and print('\n'.join(site.getsitepackages()))" \
+      > "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_outer_env.pth"
   fi
   local vpy=.venv/bin/python
   if ! "$vpy" -c "import torch" 2>/dev/null; then
