@@ -115,3 +115,77 @@ def test_backend_declarations_and_refusals():
         KB.set_impl("fast")
     with pytest.raises(ValueError, match="kv_cache must be"):
         KB.kv_views(torch.zeros((4, HKV, BS, D)), HKV, D)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine level: vLLM's CPU engine with the kit's attention in place of CPU_ATTN
+# ---------------------------------------------------------------------------------------------
+
+def _engine_worker(folder: str) -> dict:
+    """In a fresh process: a tiny random Llama (2 layers, 4 q / 2 kv heads of 32, fp32) saved
+    to ``folder``; vLLM's CPU engine in-process with the kit's backend registered over CPU_ATTN,
+    a 24-token batch budget (prefill chunks start at 24, 48, ...: not multiples of the kit's
+    tile) and the prefix cache on (a shared 50-token prefix hits 3 blocks of 16: 48 tokens).
+    Weights drawn with std 1 (HF's default 0.02 leaves the log-probabilities blind to a last-bit
+    change in attention).  Greedy, raw fp32 log-probabilities; each prompt alone, then all in one
+    batch; then the two long prompts again with the kit's split-KV variant.  Returns the token/log-probability sequences and the
+    backend's call counters."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import batch_invariance_kit  # noqa: F401  (chooses the Triton interpreter before vLLM imports triton)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      tie_word_embeddings=False, initializer_range=1.0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
+    from vllm import LLM, SamplingParams
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{KB.__name__}.KitAttentionBackend")
+    llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
+              enable_prefix_caching=True, block_size=16, max_num_seqs=8, max_num_batched_tokens=24, seed=0,
+              logprobs_mode="raw_logprobs", kv_cache_memory_bytes=32 << 20)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 23, 56, 70)]
+    prompts.append(prompts[2][:50] + torch.randint(0, 512, (9,), generator=g).tolist())
+    sp = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0, ignore_eos=True, detokenize=False)
+
+    def run(ps):
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        return [[(t, lp[t].logprob) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+    res = {}
+    for impl, which in (("invariant", range(len(prompts))), ("variant", (2, 3))):
+        KB.set_impl(impl)
+        llm.reset_prefix_cache()
+        alone = [run([prompts[i]])[0] for i in which]
+        batch = run(prompts)
+        res[impl] = {"alone": alone, "batch": [batch[i] for i in which], "calls": dict(KB.CALLS)}
+    return res
+
+
+def test_engine_bs1_equals_bsn_with_the_kit_attention(tmp_path):
+    """vLLM's CPU engine, kit attention: every prompt's greedy tokens and fp32 log-probabilities
+    alone == in a batch of five, bitwise, with chunked prefill at odd starts and a prefix-cache
+    hit; the counters show the kit's kernels ran every layer of every step.  The same run with
+    the split-KV variant changes some log-probability (the negative control)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "engine.json"
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_vllm_attention as t; "
+            "json.dump(t._engine_worker(sys.argv[2]), open(sys.argv[3], 'w'))")
+    r = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tmp_path / "model"), str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(out.read_text())
+    inv, var = res["invariant"], res["variant"]
+    assert inv["calls"]["launches"] == 2 * inv["calls"]["plans"] > 0, inv["calls"]  # 2 layers per planned step
+    assert inv["alone"] == inv["batch"], "kit attention: a prompt's tokens/log-probabilities depend on the batch"
+    assert var["calls"]["launches"] > inv["calls"]["launches"]
+    assert var["alone"] != var["batch"], "the split-KV variant was expected to change a log-probability"

@@ -99,7 +99,18 @@ class KitAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "KIT_ATTN"
+        """The name of the backend slot this class is registered over (``register_backend``:
+        ``CPU_ATTN`` on vLLM's CPU build, whichever slot a GPU plugin picks), ``CUSTOM`` if none:
+        vLLM resolves the layer's backend by this name."""
+        try:
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        except ImportError:  # pragma: no cover - older layout
+            return "CUSTOM"
+        me = f"{KitAttentionBackend.__module__}.{KitAttentionBackend.__qualname__}"
+        for member in AttentionBackendEnum:
+            if member.is_overridden() and member.get_path() == me:
+                return member.name
+        return "CUSTOM"
 
     @staticmethod
     def get_impl_cls() -> type["KitAttentionImpl"]:
