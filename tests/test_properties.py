@@ -1,0 +1,288 @@
+"""Property tests of the host-side planners (``hypothesis``; bounded and derandomized, so a CI
+run is reproducible): the plans that decide which program sums what, in which order.
+
+* attention: a row's split size is a function of its position (never of the batch); the
+  plan's tiles cover every token exactly once; the merge workspace ranks are a permutation;
+  decode plans of one capacity have one size (a CUDA graph replays any of them);
+* matmul: the config is a function of (N, K, dtype, M's table row); the K chunks of the
+  invariant order cover K exactly once, in order, the same chunks for every M and config;
+* MoE: ``dispatch`` is a permutation of the (token, rank) rows, every pair exactly once, each
+  under its own expert;
+* the reduction-order emulator: its thread schedule sums every element exactly once.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batch_invariance_kit.ops import attention as A
+from batch_invariance_kit.ops import matmul as MM
+from batch_invariance_kit.ops import moe
+from batch_invariance_kit.verify import emulator
+
+PROPS = settings(max_examples=60, deadline=None, derandomize=True, database=None)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention: split sizes and the launch plan
+# --------------------------------------------------------------------------------------------
+
+def _attn_configs():
+    """The schedule this process launches and the dataclass default (the GPU's schedule)."""
+    cfgs = [A.default_config(), A.AttnConfig()]
+    return [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
+
+
+ATTN_CONFIGS = _attn_configs()
+
+
+@st.composite
+def varlen_batches(draw, block_n):
+    """A varlen step: each sequence has a context of ``seq_len`` tokens, the last ``q_len`` of
+    them new (0: a padding entry, 1: a decode step, more: a prefill chunk starting anywhere)."""
+    seq_lens, q_lens = [], []
+    for _ in range(draw(st.integers(1, 6))):
+        n = draw(st.integers(1, 6 * block_n))
+        seq_lens.append(n)
+        q_lens.append(draw(st.sampled_from([0, 1, 1, n, min(n, 1 + n // 3)]) if n > 1 else st.integers(0, 1)))
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    heads = draw(st.sampled_from([(4, 4), (8, 2), (8, 1), (6, 2)]))
+    return seq_lens, qsl, heads
+
+
+def _plan(seq_lens, qsl, heads, cfg, impl="invariant"):
+    return A.make_plan(seq_lens, qsl, q_heads=heads[0], kv_heads=heads[1], head_dim=16, impl=impl, config=cfg,
+                       device="cpu")
+
+
+def _tiles(plan):
+    """Every query tile of a plan with rows: (sequence, first token, tokens, first position,
+    split size, tokens per tile of its launch)."""
+    out = []
+    for g in (plan.tiles, plan.decode):
+        for seq, tok, rows, pos, split in zip(g.seq.tolist(), g.tok.tolist(), g.rows.tolist(), g.pos.tolist(),
+                                              g.split.tolist()):
+            if rows:  # 0 rows: a padding tile
+                out.append((seq, tok, rows, pos, split, g.q_tile))
+    return out
+
+
+@pytest.mark.parametrize("cfg", ATTN_CONFIGS, ids=lambda c: f"block_n{c.block_n}")
+@PROPS
+@given(pos=st.integers(0, 1 << 16))
+def test_split_size_at_is_a_graded_multiple_of_the_tile(cfg, pos):
+    s = A.split_size_at(pos, cfg)
+    assert s % cfg.block_n == 0 and cfg.block_n <= s <= cfg.split_size
+    assert A.split_size_at(pos + 1, cfg) >= s  # longer contexts never get shorter splits
+    if cfg.split_target is not None and s < cfg.split_size:  # below the cap: at most split_target splits
+        assert math.ceil((pos // cfg.block_n + 1) * cfg.block_n / s) <= cfg.split_target
+    # every position of a KV tile has the same size (a tile's rows share their diagonal tile)
+    first = pos - pos % cfg.block_n
+    assert A.split_size_at(first, cfg) == s == A.split_size_at(first + cfg.block_n - 1, cfg)
+
+
+@pytest.mark.parametrize("cfg", ATTN_CONFIGS, ids=lambda c: f"block_n{c.block_n}")
+@PROPS
+@given(data=st.data())
+def test_split_size_of_a_row_never_depends_on_the_batch(cfg, data):
+    seq_lens, qsl, heads = data.draw(varlen_batches(cfg.block_n))
+    full = _plan(seq_lens, qsl, heads, cfg)
+    assert A.split_plan(seq_lens, heads[1], config=cfg) == [A.split_size_at(n - 1, cfg) for n in seq_lens]
+    tok_pos, tok_split = full.merge.pos.tolist(), full.merge.split.tolist()
+    tiles = _tiles(full)
+    for s in range(len(seq_lens)):
+        a, b = qsl[s], qsl[s + 1]
+        alone = _plan([seq_lens[s]], [0, b - a], heads, cfg)
+        assert tok_pos[a:b] == alone.merge.pos.tolist() == list(range(seq_lens[s] - (b - a), seq_lens[s]))
+        assert tok_split[a:b] == alone.merge.split.tolist() == [A.split_size_at(p, cfg) for p in tok_pos[a:b]]
+        # the sequence's query tiles, relative to its first token: the same alone and in the batch
+        mine = sorted((t - a, r, p, sp, qt) for q, t, r, p, sp, qt in tiles if q == s)
+        assert mine == sorted(x[1:] for x in _tiles(alone))
+
+
+@pytest.mark.parametrize("cfg", ATTN_CONFIGS, ids=lambda c: f"block_n{c.block_n}")
+@PROPS
+@given(data=st.data())
+def test_plan_tiles_cover_every_token_once_and_ranks_are_a_permutation(cfg, data):
+    seq_lens, qsl, heads = data.draw(varlen_batches(cfg.block_n))
+    impl = data.draw(st.sampled_from(["invariant", "variant"]))
+    plan = _plan(seq_lens, qsl, heads, cfg, impl)
+    T = qsl[-1]
+    mp = plan.merge
+    tok_split = mp.split.tolist()
+    covered = []
+    for s, t0, rows, pos0, split, q_tile in _tiles(plan):
+        a, b = qsl[s], qsl[s + 1]
+        assert a <= t0 and t0 + rows <= b  # a tile never mixes sequences
+        assert pos0 == seq_lens[s] - (b - a) + (t0 - a)
+        # on the absolute grid of q_tile, which divides block_n: one diagonal KV tile per query tile
+        assert cfg.block_n % q_tile == 0 and pos0 // q_tile == (pos0 + rows - 1) // q_tile
+        assert split % cfg.block_n == 0 and split == tok_split[t0 + rows - 1]
+        covered += range(t0, t0 + rows)
+    assert sorted(covered) == list(range(T))  # every token exactly once
+    # the workspace: the parallel launches' tokens, ranked 0..n-1, with room for every split of each
+    serial_tok = {t for g in (plan.tiles, plan.decode) if g.serial
+                  for t0, r in zip(g.tok.tolist(), g.rows.tolist()) for t in range(t0, t0 + r)}
+    merge = [t for t in mp.tokens.tolist() if t >= 0]
+    assert merge == sorted(set(range(T)) - serial_tok)
+    rank = mp.rank.tolist()
+    assert [rank[t] for t in merge] == list(range(len(merge)))
+    pos = mp.pos.tolist()
+    assert mp.max_splits >= max([pos[t] // tok_split[t] + 1 for t in merge] or [1])
+    assert mp.acc.shape[0] == mp.ml.shape[0] >= len(merge) * heads[0] * mp.max_splits
+
+
+@pytest.mark.parametrize("cfg", ATTN_CONFIGS, ids=lambda c: f"block_n{c.block_n}")
+@PROPS
+@given(capacity=st.integers(1, 12), max_len=st.integers(1, 400), data=st.data())
+def test_decode_plans_of_one_capacity_are_interchangeable(cfg, capacity, max_len, data):
+    """Decode steps of one size, planned with one ``decode_capacity`` and ``max_seq_len``, have
+    plans of the same sizes and launch modes whatever their contexts (a CUDA graph captured
+    with one replays the others)."""
+    n = data.draw(st.integers(1, capacity))
+    steps = [data.draw(st.lists(st.integers(1, max_len), min_size=n, max_size=n)) for _ in range(2)]
+    plans = [A.make_plan(lens, list(range(len(lens) + 1)), q_heads=8, kv_heads=2, head_dim=16, config=cfg,
+                         device="cpu", decode_capacity=capacity, max_seq_len=max_len) for lens in steps]
+    for p, lens in zip(plans, steps):
+        assert sorted(t for _, t, r, *_ in _tiles(p) for t in range(t, t + r)) == list(range(len(lens)))
+        assert p.decode.seq.shape[0] == capacity and (p.decode.rows[len(lens):] == 0).all()
+        merge = p.merge.tokens.tolist()
+        assert p.merge.max_splits >= max(n // A.split_size_at(n - 1, cfg) + 1 for n in lens) or p.decode.serial
+        assert len(merge) == (0 if p.decode.serial else capacity) and set(merge[len(lens):]) <= {-1}
+    plans[0].copy_(plans[1])
+    assert all(torch.equal(a, b) for a, b in zip(plans[0].tensors(), plans[1].tensors()))
+
+
+# --------------------------------------------------------------------------------------------
+# Matmul: the config table and the K chunks
+# --------------------------------------------------------------------------------------------
+
+def _m_bounds():
+    return sorted({row[0] for row in MM.TABLE if row[0] is not None} | {b for b, _ in MM.TABLE_LONG_K})
+
+
+def _m_row(M):
+    """Index of M's row among the tables' bounds (the M bucket)."""
+    return sum(1 for b in _m_bounds() if M > b)
+
+
+def _k_order(M, N, K, dt, cfg, compiled):
+    """The K blocks of one output element in the order the invariant launch adds them: a list of
+    chunks, each summed from zero, the chunk sums added in order.  From the plan the launch
+    hands the kernels (``_k_plan``: programs along K, blocks per program, blocks per chunk),
+    walked as the kernels walk it: one loop, a chunk loop inside one program, or one program
+    per chunk whose sums a second kernel adds in program order."""
+    cfg = MM._resolve_config(cfg, M, N, K, dt, compiled)
+    programs, per_program, chunk = MM._k_plan("invariant", cfg, M, N, K, dt, compiled)
+    kb = -(-K // MM.block_k(dt))
+    info = MM.launch_info(M, N, K, dt, config=cfg, compiled=compiled)
+    assert info["grid"][1] == programs and info["k_blocks"] == kb
+    if programs > 1:
+        return [list(range(p * per_program, min((p + 1) * per_program, kb))) for p in range(programs)]
+    step = chunk or kb
+    return [list(range(c, min(c + step, kb))) for c in range(0, kb, step)]
+
+
+shapes = st.tuples(st.integers(1, 5000), st.integers(1, 200000), st.integers(1, 20000), st.sampled_from(DTYPES))
+
+
+@PROPS
+@given(shape=shapes, m2=st.integers(1, 5000))
+def test_matmul_config_is_a_function_of_n_k_dtype_and_the_m_row(shape, m2):
+    M, N, K, dt = shape
+    for compiled in (True, False):
+        c1 = MM.select_config(M, N, K, dt, compiled=compiled)
+        c2 = MM.select_config(m2, N, K, dt, compiled=compiled)
+        if _m_row(M) == _m_row(m2):
+            assert c1 == c2
+        assert c1 in MM.CONFIGS
+        if dt == torch.float32:  # fp32 tiles: at most 128 x 128 (twice the bytes per element)
+            assert c1.block_m * c1.block_n <= 128 * 128
+
+
+@PROPS
+@given(shape=shapes, m2=st.integers(1, 5000))
+def test_matmul_k_chunks_cover_k_once_in_order_for_every_m_and_config(shape, m2):
+    M, N, K, dt = shape
+    bk = MM.block_k(dt)
+    for compiled in (True, False):
+        chunk = MM.k_chunk(K, dt, compiled=compiled)
+        assert chunk == K or chunk % bk == 0
+        kb = -(-K // bk)
+        # the chunks of k_chunk: whole blocks of ``chunk`` keys from 0 upward (one chunk when K is not long)
+        want = [list(range(c, min(c + chunk // bk, kb))) for c in range(0, kb, chunk // bk)] if chunk < K \
+            else [list(range(kb))]
+        for m in (M, m2):
+            for cfg in [None] + MM.CONFIGS:
+                order = _k_order(m, N, K, dt, cfg, compiled)
+                assert all(order) and [b for c in order for b in c] == list(range(kb))  # once, in order
+                assert order == want  # the same chunks whatever M and the config
+
+
+# --------------------------------------------------------------------------------------------
+# MoE: dispatch
+# --------------------------------------------------------------------------------------------
+
+@PROPS
+@given(T=st.integers(1, 40), E=st.integers(1, 12), block_m=st.sampled_from([1, 2, 16, 32, 64]), data=st.data())
+def test_moe_dispatch_is_a_permutation_with_each_pair_once(T, E, block_m, data):
+    k = data.draw(st.integers(1, E))
+    # each token's k distinct experts (a router's top-k), or any ids (duplicates allowed)
+    if data.draw(st.booleans()):
+        ids = [data.draw(st.permutations(range(E)))[:k] for _ in range(T)]
+    else:
+        ids = [data.draw(st.lists(st.integers(0, E - 1), min_size=k, max_size=k)) for _ in range(T)]
+    topk = torch.tensor(ids, dtype=torch.int32).reshape(T, k)
+    d = moe.dispatch(topk, E, block_m)
+    n = T * k
+    sid = d.sorted_ids.tolist()
+    be = d.block_expert.tolist()
+    assert len(sid) == d.num_blocks * block_m and d.num_valid == n
+    valid = [(p, i) for p, i in enumerate(sid) if i != n]
+    assert sorted(i for _, i in valid) == list(range(n))  # a permutation: every (token, rank) row once
+    flat = topk.reshape(-1).tolist()
+    for p, i in valid:  # each row sits in a block of its own expert
+        assert be[p // block_m] == flat[i]
+    pairs = [(i // k, flat[i]) for _, i in valid]
+    assert sorted(pairs) == sorted((t, e) for t in range(T) for e in ids[t])  # every (token, expert) pair once
+    # grouped by expert in expert order, each expert's rows in row-id order (stable), padded to block_m
+    assert [flat[i] for _, i in valid] == sorted(flat)
+    for e in range(E):
+        mine = [i for _, i in valid if flat[i] == e]
+        assert mine == sorted(mine)
+    assert d.counts.tolist() == [flat.count(e) for e in range(E)]
+    assert d.padded_counts.tolist() == [-(-c // block_m) * block_m for c in d.counts.tolist()]
+    used = sum(d.padded_counts.tolist()) // block_m
+    assert all(x >= 0 for x in be[:used]) and all(x == -1 for x in be[used:])
+    assert be[:used] == sorted(be[:used])
+
+
+# --------------------------------------------------------------------------------------------
+# The reduction-order emulator: the thread schedule
+# --------------------------------------------------------------------------------------------
+
+launches = st.tuples(st.integers(1, 3000), st.sampled_from([32, 64, 96, 128, 256, 512, 1024]),
+                     st.sampled_from([1, 2, 4, 8, 16]), st.data())
+
+
+@PROPS
+@given(launch=launches)
+def test_emulator_thread_schedule_sums_every_element_once(launch):
+    n, block, vec, data = launch
+    misalign = data.draw(st.integers(0, vec - 1))
+    sched = emulator.thread_schedule(n, block, vec, misalign)
+    assert sched.shape[0] == block
+    idx = sched[sched >= 0]
+    assert sorted(idx.tolist()) == list(range(n))  # every element exactly once
+    for row in sched:  # a thread walks its elements in increasing order; padding only at the end
+        mine = row[row >= 0]
+        assert (np.diff(mine) > 0).all() and (row[len(mine):] == -1).all()
+    # and the block reduction adds exactly those: distinct integers sum exactly in fp32
+    x = np.arange(1, n + 1, dtype=np.float32)
+    assert emulator.block_reduce(x, block, vec, misalign=misalign)[0] == np.float32(n * (n + 1) // 2)
