@@ -268,7 +268,8 @@ def bench(quick: bool) -> tuple:
                     A.launch(_plan(q[:1], [L], [0, 1], config=cfg), q[:1], c.k, c.v, bt[:1], scale, alone)
                     row0[("kit-invariant", B, L)] = bitwise_equal(out[:1], alone)
                 rows.append({"op": "attention_decode", "impl": f"kit-{impl}", "dtype": "bfloat16", "batch": B,
-                             "context": L, "splits": -(-L // A.split_plan([L] * B, HKV, impl=impl, config=cfg)[0]), "invariant": impl == "invariant",
+                             "context": L, "splits": -(-L // A.split_plan([L] * B, HKV, impl=impl, config=cfg)[0]),
+                             "invariant": impl == "invariant",
                              **extra, **t, "cuda_graph": g})
             ks, vs = _gathered(c, bt, B, L)
             q4 = q.unsqueeze(2)

@@ -357,9 +357,11 @@ _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloa
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, check_slots: bool = True) -> None:
     """Store ``key``/``value`` ``(num_tokens, kv_heads, head_dim)`` at ``slot_mapping``
-    ``(num_tokens,)`` (int64 or int32; ``-1`` skips a token) of the paged caches."""
+    ``(num_tokens,)`` (int64 or int32; ``-1`` skips a token) of the paged caches.
+    ``check_slots=False`` skips the range check of the slots (it reads them back to the host:
+    an engine whose scheduler made the slots passes False, so no layer waits on the device)."""
     _check_caches(k_cache, v_cache)
     nb, bs, hkv, d = k_cache.shape
     for name, t in (("key", key), ("value", value)):
@@ -379,7 +381,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     n = key.shape[0]
     if n == 0:
         return
-    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    lo, hi = (int(slot_mapping.min()), int(slot_mapping.max())) if check_slots else (-1, -1)
     if lo < -1 or hi >= nb * bs:
         raise ValueError(f"slot_mapping holds slots in [{lo}, {hi}]; the cache has {nb * bs} slots (-1 = skip)")
     iv = _INT_VIEW[key.dtype]

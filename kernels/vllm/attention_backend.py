@@ -233,7 +233,7 @@ class KitAttentionImpl(AttentionImpl):
         n = md.num_actual_tokens
         k_cache, v_cache = kv_views(kv_cache, self.num_kv_heads, self.head_size)
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            A.write_kv(key[:n], value[:n], k_cache, v_cache, md.slot_mapping[:n])
+            A.write_kv(key[:n], value[:n], k_cache, v_cache, md.slot_mapping[:n], check_slots=False)
         q = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         A.attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc, scale=self.scale,
