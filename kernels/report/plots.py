@@ -37,7 +37,7 @@ def style() -> None:
     mpl.rcParams.update({
         "figure.figsize": (WIDTH, 3.6), "figure.dpi": DPI, "savefig.dpi": DPI,
         "font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10, "legend.fontsize": 8.5,
-        "xtick.labelsize": 9, "ytick.labelsize": 9, "axes.grid": True, "grid.alpha": 0.3,
+        "xtick.labelsize": 9, "ytick.labelsize": 9, "axes.grid": False, "grid.alpha": 0.3,
         "figure.constrained_layout.use": True,
     })
 
@@ -117,6 +117,7 @@ def speed_figure(rows: list[dict], family, x: str, panel=None, *,
                 ax.hlines(g["threshold"], min(scope), max(scope), color=COLORS["goal"], ls="--", lw=1.2,
                           label=f"goal: {g['short']}")
         ax.axhline(1.0, color=COLORS["goal"], lw=0.6)
+        ax.grid(True)
         if log2x:
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [f"{v // 1024}k" if v >= 1024 and v % 1024 == 0 else str(v) for v in xs])
@@ -221,7 +222,7 @@ def cost_overview(rows: list[dict]):
     ax.scatter([], [], marker="x", color=c, label="not like-for-like (eager vs compiled)")
     ax.plot([], [], color=COLORS["goal"], ls="--", label="goal, over its family")
     fig.legend(loc="outside lower center", ncols=2, frameon=False)
-    ax.grid(axis="x", visible=False)
+    ax.grid(axis="y")
     return fig
 
 
@@ -243,6 +244,7 @@ def copy_fraction_figure(rows: list[dict]):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens (hidden 4096, bf16)")
     ax.set_ylabel("fraction of copy bandwidth")
+    ax.grid(True)
     ax.legend(loc="lower right")
     return fig
 
@@ -281,6 +283,6 @@ def engine_bars(e2e: dict | None, vllm: dict | None):
         axes[1].set_title(f"vLLM {vllm['provenance'].get('vllm')} (one run per mode)")
         axes[1].legend(fontsize=8)
     for a in axes:
-        a.grid(axis="x", visible=False)
+        a.grid(axis="y")
         a.set_ylim(top=a.get_ylim()[1] * 1.3)  # room for the legend above the bars
     return fig
