@@ -77,7 +77,8 @@ only).  Prefill == decode then needs every row to see the same arithmetic in a 6
 a 16-row tile.  ``tl.sum`` reduces in an order set by the register layout: with 16 rows and 4
 warps, the warps split a row's keys among them, a cross-warp step the 64-row tile does not
 have, and on the H200 decode differed from prefill at dozens of positions
-(``results/h200/explorations/attention_16row_decode_tiles``).  The row sum ``l`` is therefore a fixed pairwise tree
+(``results/h200/explorations/attention_16row_decode_tiles``).  The row sum ``l`` is therefore a
+fixed pairwise tree
 built from ``tl.split`` (``(0+1)+(2+3)...``, :func:`_row_sum`): no layout enters, and (d) holds
 at every position (``results/h200/attention_decode_tiles.json``).
 
