@@ -382,7 +382,7 @@ def _doc(mode, *, shift=0.0, tokens_flip=False, status="done"):
         return {"tokens": [c["tokens"][0], 99 if tokens_flip else c["tokens"][1], c["tokens"][2]],
                 "logprobs": [x + shift for x in c["logprobs"]], "text": "c"}
     batches = [{"seed": s, "requests": n, "positions": [0, 1], "targets": [moved(alone[0]), moved(alone[1])]}
-               for s, n in ((109, 9), (133, 33), (800, 33))]
+               for s, n in ((109, 9), (133, 33), (V.NEEDLE_SEED, 33))]
     doc = {"status": status, "mode": mode, "seconds": 50.0, "init_s": 20.0, "alone": alone, "batches": batches,
            "decode_vs_prefill": [{"target": 0, "decode": [-1.0, -2.0, -0.5], "prefill": [-1.0, -2.0 + shift, -0.5],
                                   "last_token_equal": True}]}
@@ -405,6 +405,7 @@ def test_user_checks_and_verdict():
     assert V.user_checks(docs, "cuda")[1][3]["informational"] is False            # on a GPU it must
     page = V.verdict_page("m", "cpu", "0.32.0", rows, checks)
     assert "kit: batch-invariant" in page and "default: NOT batch-invariant" in page
+    assert "invariant: did not run" in page and page.count("bs33") == 2   # one per mode that ran: the needle trial is no bs run
     assert "bs9: tokens differ" in page and "3 of 3 positions" in page
     # the kit's counters must show that its replacements ran
     docs["kit"]["plugin"] = {"calls": {"rms_norm": 3}}
