@@ -19,7 +19,8 @@ The experiment (``spec``):
 
 1. every target prompt **alone** (a batch of one);
 2. every target **in a batch** with the fillers, once per ``orders`` seed (the requests shuffled by
-   that seed: each target at another place, beside other neighbours);
+   that seed: each target at another place, beside other neighbours); or, with ``batches``, in
+   batches of the first ``fillers`` fillers, each shuffled by its ``seed``;
 3. **decode vs prefill** for the first ``decode_vs_prefill`` targets: the prompt plus its decoded
    tokens but the last as one prompt, ``prompt_logprobs=0``: the prefill's log-probability of each
    generated token against the decode's.
@@ -59,7 +60,7 @@ def mode_env(mode: str, base: dict | None = None) -> dict:
     return env
 
 
-def make_spec(targets: list, fillers: list, *, max_tokens: int, filler_max_tokens=None, orders=(0,),
+def make_spec(targets: list, fillers: list, *, max_tokens: int, filler_max_tokens=None, orders=(0,), batches=None,
               decode_vs_prefill: int = 1, dtype: str = "bfloat16", max_model_len: int = 1024,
               max_num_batched_tokens: int = 4096, eager: bool = True, kv_cache_gib: float = 1.0) -> dict:
     """Check and bundle an experiment.  ``targets``/``fillers``: lists of token-id lists."""
@@ -77,11 +78,17 @@ def make_spec(targets: list, fillers: list, *, max_tokens: int, filler_max_token
         raise ValueError("filler_max_tokens must give one length per filler")
     if not (0 <= decode_vs_prefill <= len(targets)):
         raise ValueError(f"decode_vs_prefill must be in [0, {len(targets)}], got {decode_vs_prefill}")
+    if batches is None:
+        batches = [{"fillers": len(fillers), "seed": int(o)} for o in orders]
+    for b in batches:
+        if not (isinstance(b, dict) and 0 <= b.get("fillers", -1) <= len(fillers) and isinstance(b.get("seed"), int)):
+            raise ValueError(f"batches: each must be {{'fillers': 0..{len(fillers)}, 'seed': int}}, got {b!r}")
     longest = max(len(p) for p in list(targets) + list(fillers)) + max([max_tokens] + list(filler_max_tokens))
     if longest > max_model_len:
         raise ValueError(f"max_model_len ({max_model_len}) is shorter than the longest prompt + output ({longest})")
     return {"targets": [list(p) for p in targets], "fillers": [list(p) for p in fillers],
-            "max_tokens": max_tokens, "filler_max_tokens": list(filler_max_tokens), "orders": list(orders),
+            "max_tokens": max_tokens, "filler_max_tokens": list(filler_max_tokens),
+            "batches": [dict(b) for b in batches],
             "decode_vs_prefill": decode_vs_prefill, "dtype": dtype, "max_model_len": max_model_len,
             "max_num_batched_tokens": max_num_batched_tokens, "eager": bool(eager), "kv_cache_gib": kv_cache_gib}
 
@@ -151,8 +158,9 @@ def run_worker(model: str, spec: dict, out: str) -> int:
         doc["alone_s"] = time.time() - t1
         save()
         doc["batches"] = []
-        for seed in spec["orders"]:
-            order = batch_order(len(targets), len(fillers), seed)
+        for b in spec["batches"]:
+            seed = b["seed"]
+            order = batch_order(len(targets), b["fillers"], seed)
             prompts = [{"prompt_token_ids": (targets if k == "t" else fillers)[i]} for k, i in order]
             sps = [params(spec["max_tokens"] if k == "t" else spec["filler_max_tokens"][i]) for k, i in order]
             t1 = time.time()
