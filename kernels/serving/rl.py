@@ -31,7 +31,7 @@ from .engine import Engine, Request
 from .model import Qwen3Model, StepBatch
 
 __all__ = ["trainer_logprobs", "row_kl", "load_requests", "sampler_vs_trainer", "even_token_reward",
-           "policy_gradient"]
+           "policy_gradient", "sampler_trainer_figure", "ratio_figure"]
 
 
 def _pack(lengths: list, max_num_tokens: int) -> list:
@@ -110,12 +110,15 @@ def trainer_logprobs(model: Qwen3Model, sequences: list, *, impl="invariant", ma
 
 def row_kl(sampler_rows: torch.Tensor, trainer_rows: torch.Tensor) -> torch.Tensor:
     """Per row, ``KL(p || q) = sum_v p_v (log p_v - log q_v)`` in float64 from two ``(n, vocab)``
-    log-probability tensors (``p``: the sampler's, ``q``: the trainer's).  Rows that are bitwise
-    equal give exactly ``0.0`` (every term is ``p_v * 0``)."""
+    log-probability tensors (``p``: the sampler's, ``q``: the trainer's), each row renormalised
+    in float64 first (an fp32 row sums to 1 only up to its rounding, which would leave a KL
+    of either sign of the size of that rounding).  Rows that are bitwise equal give exactly
+    ``0.0`` (the same float64 operations on the same bits, then every term is ``p_v * 0``)."""
     if sampler_rows.shape != trainer_rows.shape or sampler_rows.dim() != 2:
         raise ValueError(f"sampler_rows {tuple(sampler_rows.shape)} and trainer_rows "
                          f"{tuple(trainer_rows.shape)} must be (n, vocab) tensors of one shape")
-    ls, lt = sampler_rows.double(), trainer_rows.double()
+    ls = torch.log_softmax(sampler_rows.double(), dim=1)
+    lt = torch.log_softmax(trainer_rows.double(), dim=1)
     p = ls.exp()
     return torch.where(p > 0, p * (ls - lt), torch.zeros_like(p)).sum(1)
 
@@ -148,7 +151,7 @@ def _rollouts(completions: list) -> list:
 
 def sampler_vs_trainer(model: Qwen3Model, prompts: list, *, impl="invariant", max_new_tokens: int = 8,
                        fillers: int = 4, seed: int = 0, temperature: float = 1.0, trainer_tokens: int = 256,
-                       max_arrival: int = 4, **engine_kwargs) -> dict:
+                       max_arrival: int = 4, filler_len: tuple = (8, 48), **engine_kwargs) -> dict:
     """Sample a completion of every prompt with :class:`~.engine.Engine` under a random load
     (:func:`load_requests`; ``engine_kwargs``: chunked prefill, prefix cache, budgets), then
     re-score all of them with :func:`trainer_logprobs` in the reverse order (other batches than
@@ -157,7 +160,7 @@ def sampler_vs_trainer(model: Qwen3Model, prompts: list, *, impl="invariant", ma
     ``rows_equal`` (bool: the whole fp32 row bitwise equal), plus ``mean_seqs_per_step`` (the
     load: sequences per step seen by the rollouts' steps) and the completions."""
     reqs = load_requests(prompts, max_new_tokens=max_new_tokens, fillers=fillers, vocab=model.cfg.vocab_size,
-                         seed=seed, temperature=temperature, max_arrival=max_arrival)
+                         seed=seed, temperature=temperature, max_arrival=max_arrival, filler_len=filler_len)
     eng = Engine(model, impl=impl, **engine_kwargs)
     mine = _rollouts(eng.run(reqs))
     trainer = trainer_logprobs(model, [(c.prompt, c.tokens) for c in reversed(mine)], impl=impl,
@@ -223,3 +226,68 @@ def policy_gradient(model: Qwen3Model, prompts: list, *, impl="invariant", steps
         history.append({"step": step, "ratios": torch.cat(ratios), "mean_reward": float(rewards.mean()),
                         "grad_norm": float(grad.norm())})
     return history
+
+
+def sampler_trainer_figure(runs: list):
+    """Two panels for :func:`sampler_vs_trainer` results (variant and invariant runs at several
+    loads): the distribution of per-token ``|log p_sampler - log p_trainer|`` of the variant
+    runs, and the mean per-token KL against the load (mean sequences per step of the rollouts).
+    Exact zeros are drawn on a dotted floor line (a log axis has no 0)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from ..report.plots import COLORS, WIDTH
+    floor = 1e-12
+    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.2))
+    var = [r for r in runs if r["impl"] == "variant"]
+    d = torch.cat([r["logprob_diff"].abs() for r in var]).numpy()
+    nz = d[d > 0]
+    if len(nz):
+        bins = np.logspace(np.log10(nz.min()) - 0.2, np.log10(nz.max()) + 0.2, 20)
+        axes[0].hist(nz, bins=bins, color=COLORS["variant"], alpha=0.8, label=f"variant: {len(nz)} of {len(d)} tokens")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("|Δ log-prob| of the sampled token")
+    axes[0].set_ylabel("tokens")
+    inv = [r for r in runs if r["impl"] == "invariant"]
+    if inv:
+        n0 = sum(int((r["logprob_diff"] == 0).sum()) for r in inv)
+        axes[0].set_title(f"sampler vs trainer (invariant: Δ = 0 for {n0} of "
+                          f"{sum(len(r['logprob_diff']) for r in inv)} tokens)", fontsize=9)
+    axes[0].legend(fontsize=8)
+    for impl in ("variant", "invariant"):
+        rs = sorted((r for r in runs if r["impl"] == impl), key=lambda r: r["mean_seqs_per_step"])
+        if not rs:
+            continue
+        x = [r["mean_seqs_per_step"] for r in rs]
+        y = [float(r["kl"].mean()) for r in rs]
+        axes[1].plot(x, [v if v > 0 else floor for v in y], "o-" if impl == "variant" else "s--",
+                     color=COLORS[impl], label=impl)
+    axes[1].axhline(floor, color="k", ls=":", lw=0.8)
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("load: sequences per step (mean over the rollouts' steps)")
+    axes[1].set_ylabel("mean KL per token")
+    axes[1].set_title("KL(sampler || trainer) vs load (dotted: exactly 0)", fontsize=9)
+    axes[1].legend(fontsize=8)
+    return fig
+
+
+def ratio_figure(histories: dict):
+    """Histogram of every token's log importance ratio ``log p_trainer - log p_sampler`` over
+    the steps of :func:`policy_gradient`, one colour per kernel set (``{impl: history}``)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from ..report.plots import COLORS, WIDTH
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    logs = {impl: torch.log(torch.cat([h["ratios"] for h in hist])).numpy() for impl, hist in histories.items()}
+    span = max(float(np.abs(v).max()) for v in logs.values()) or 1.0
+    bins = np.linspace(-span * 1.05, span * 1.05, 41)
+    for impl, v in logs.items():
+        exact = int((v == 0).sum())
+        ax.hist(v, bins=bins, color=COLORS.get(impl, "k"), alpha=0.6,
+                label=f"{impl}: ratio exactly 1 for {exact} of {len(v)} tokens")
+    ax.set_xlabel("log importance ratio  log p_trainer − log p_sampler")
+    ax.set_ylabel("tokens")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    return fig
