@@ -126,11 +126,20 @@ def test_load_experiment_invariant(dense):
 
 
 @pytest.mark.parametrize("impl", ["variant", {"attention": "variant"}], ids=["all-variant", "attention-variant"])
-def test_load_experiment_variant_differs(dense, impl):
+def test_load_experiment_variant_differs(dense, impl, monkeypatch):
     """Negative control: the same experiment with the variant kernels gives > 1 distinct
-    log-probability sequence (on this seed: 3 of 4, all tokens equal); attention alone
-    (split-KV from the number of sequences) suffices."""
-    r = load_experiment(dense, _prompt(70, 7), impl=impl, **LOAD)
+    log-probability sequence (3 of 4 on this seed under the interpreter, all tokens equal);
+    attention alone (split-KV from the number of sequences) suffices.
+
+    The variant cuts a row into ``2*SMs // (seqs*kv_heads)`` splits of whole KV tiles.  With a
+    GPU's SM count (132 on an H200), this model's single kv head and at most 10 sequences, every
+    row of its <= 512 positions gets one-tile splits at any load: the variant would be batch-free
+    here.  So the variant plans for 8 SMs (the interpreter's count) on every device, and the
+    prompt is 70 * block_n / 32 tokens, which scales the interpreter's case (32-key tiles,
+    70 tokens) to the active tile: copies at the same position then get splits of different
+    numbers of tiles, depending on how many sequences share their step."""
+    monkeypatch.setattr(A, "_num_sms", lambda: 8)
+    r = load_experiment(dense, _prompt(70 * BN // 32, 7), impl=impl, **LOAD)
     assert r["unique_logprob_sequences"] > 1
 
 
