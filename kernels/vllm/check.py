@@ -128,7 +128,8 @@ def parser() -> argparse.ArgumentParser:
                         "instead of the kit's random-weight models")
     p.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated subset of dense,moe")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of default,invariant,kit")
-    p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the whole run (s)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget of the whole run (s; default 480, with --model 1800)")
     p.add_argument("--quick", action="store_true", help="smaller experiments (fewer trials, fewer prompts)")
     p.add_argument("--model-dir", default=None,
                    help="where the models are saved (default: <tempdir>/kit-models)")
@@ -154,6 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = parser().parse_args(argv)
     a.models = _csv("models", a.models, MODEL_NAMES)
     a.modes = _csv("modes", a.modes, MODES)
+    if a.budget_s is None:
+        a.budget_s = 1800.0 if a.model is not None else 480.0
     if not (isinstance(a.budget_s, float) and math.isfinite(a.budget_s) and a.budget_s > 0):
         raise ValueError(f"--budget-s must be a positive number of seconds, got {a.budget_s!r}")
     if a.attention_backend not in ATTENTION_BACKENDS:
