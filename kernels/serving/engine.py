@@ -52,7 +52,7 @@ import torch
 from ..ops import attention as A
 from .model import Qwen3Model, StepBatch
 
-__all__ = ["Request", "Completion", "Engine", "generate", "completion_key", "load_experiment"]
+__all__ = ["Request", "Completion", "Engine", "step_batch", "generate", "completion_key", "load_experiment"]
 
 
 @dataclass
@@ -155,6 +155,15 @@ def _chain(parent: str, toks) -> str:
     h = hashlib.sha256(parent.encode())
     h.update(torch.tensor(list(toks), dtype=torch.int64).numpy().tobytes())
     return h.hexdigest()
+
+
+def step_batch(tokens, positions, slots, block_table, seq_lens, query_start_loc, logits_indices, device) -> StepBatch:
+    """A :class:`~.model.StepBatch` on ``device`` from host lists (``block_table``: an int32 tensor)."""
+    def t(x, dt):
+        return torch.tensor(x, dtype=dt, device=device)
+    return StepBatch(tokens=t(tokens, torch.long), positions=t(positions, torch.long), slot_mapping=t(slots, torch.long),
+                     block_table=block_table.to(device), seq_lens=t(seq_lens, torch.int32),
+                     query_start_loc=t(query_start_loc, torch.int32), logits_indices=t(logits_indices, torch.long))
 
 
 class Engine:
@@ -317,14 +326,7 @@ class Engine:
             table = torch.zeros((len(sched), width), dtype=torch.int32)
             for i, (s, _) in enumerate(sched):
                 table[i, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
-            batch = StepBatch(
-                tokens=torch.tensor(toks, dtype=torch.long, device=dev),
-                positions=torch.tensor(pos, dtype=torch.long, device=dev),
-                slot_mapping=torch.tensor(slot, dtype=torch.long, device=dev),
-                block_table=table.to(dev),
-                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-                logits_indices=torch.tensor(want, dtype=torch.long, device=dev))
+            batch = step_batch(toks, pos, slot, table, lens, qsl, want, dev)
             lp = self.model.forward(batch, self.kv, impl=self.impl).cpu()
             self.step_log.append((step, len(toks), len(sched)))
             decoding = {s.index for s, _ in sched if not s.prefilling}

@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from .engine import Engine, Request
-from .model import Qwen3Model, StepBatch
+from .engine import Engine, Request, step_batch
+from .model import Qwen3Model
 
 __all__ = ["trainer_logprobs", "row_kl", "load_requests", "sampler_vs_trainer", "even_token_reward",
            "policy_gradient", "sampler_trainer_figure", "ratio_figure"]
@@ -91,13 +91,7 @@ def trainer_logprobs(model: Qwen3Model, sequences: list, *, impl="invariant", ma
             lens.append(len(feed))
             qsl.append(qsl[-1] + len(feed))
             first += nblocks[j]
-        batch = StepBatch(tokens=torch.tensor(toks, dtype=torch.long, device=dev),
-                          positions=torch.tensor(pos, dtype=torch.long, device=dev),
-                          slot_mapping=torch.tensor(slot, dtype=torch.long, device=dev),
-                          block_table=table.to(dev),
-                          seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                          query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-                          logits_indices=torch.tensor(want, dtype=torch.long, device=dev))
+        batch = step_batch(toks, pos, slot, table, lens, qsl, want, dev)
         lp, h = model.forward(batch, kv, impl=impl, return_hidden=True)
         lp, h = lp.cpu(), h.cpu()
         at = 0
