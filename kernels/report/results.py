@@ -34,11 +34,32 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _portable(arg: str) -> str:
+    """A command-line argument without the machine's folders: a path inside the repository
+    relative to its root, any other absolute path as ``<dir>/`` + its last component."""
+    if not arg.startswith("/"):
+        return arg
+    path = Path(arg)
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return f"<dir>/{path.name}"
+
+
+def _command() -> str:
+    """``python -m module args`` of this process, with portable arguments."""
+    argv = list(sys.argv)
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None and spec.name else ["python", _portable(argv[0])]
+    return " ".join(head + [_portable(a) for a in argv[1:]])
+
+
 def provenance(command: str | None = None) -> dict:
     """Who/what/when of a measurement: device, SM count, versions, date, command, commit."""
     prov = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command if command is not None else " ".join([Path(sys.executable).name] + sys.argv),
+        "command": command if command is not None else _command(),
         "git_commit": _git_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
