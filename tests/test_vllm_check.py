@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import batch_invariance_kit
+from batch_invariance_kit.device import DEVICE
 from batch_invariance_kit.ops import matmul as MM
 from batch_invariance_kit.ops import moe as MOE
 from batch_invariance_kit.ops import rms_norm as RN
@@ -298,15 +299,15 @@ def test_run_subprocess_kills_the_group_on_timeout(tmp_path):
 def test_kit_rms_norm_forward_matches_the_kit_ops():
     g = torch.Generator().manual_seed(0)
     T, hq, d = 5, 3, 32
-    qkv = torch.randn(T, (hq + 2) * d, generator=g)
+    qkv = torch.randn(T, (hq + 2) * d, generator=g).to(DEVICE)
     q = qkv[:, :hq * d].view(T, hq, d)                 # strided, like Qwen3's q_by_head
-    w = 1 + 0.1 * torch.randn(d, generator=g)
+    w = 1 + 0.1 * torch.randn(d, generator=g).to(DEVICE)
     out = P.kit_rms_norm_forward(q, w, 1e-6)
     assert out.shape == q.shape
     ref = RN.rms_norm(q.reshape(-1, d).contiguous(), w, 1e-6, impl="invariant").view(T, hq, d)
     assert torch.equal(out, ref)
-    x, r = (torch.randn(T, 64, generator=g) for _ in range(2))
-    wh = 1 + 0.1 * torch.randn(64, generator=g)
+    x, r = (torch.randn(T, 64, generator=g).to(DEVICE) for _ in range(2))
+    wh = 1 + 0.1 * torch.randn(64, generator=g).to(DEVICE)
     before = {k: P.CALLS.get(k, 0) for k in ("fused_add_rms_norm", "weight_casts")}
     o, z = P.kit_rms_norm_forward(x, wh, 1e-5, residual=r)
     o2, z2 = RN.fused_add_rms_norm(x, r, wh, 1e-5, impl="invariant")
@@ -319,10 +320,10 @@ def test_kit_rms_norm_forward_matches_the_kit_ops():
 def test_kit_moe_from_logits_matches_fused_moe():
     g = torch.Generator().manual_seed(1)
     T, H, E, inter, k = 6, 32, 4, 16, 2
-    x = torch.randn(T, H, generator=g)
-    router = torch.randn(E, H, generator=g) * H ** -0.5
-    w13 = torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5   # vLLM's w13_weight: gate rows, then up
-    w2 = torch.randn(E, H, inter, generator=g) * inter ** -0.5    # vLLM's w2_weight
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    router = torch.randn(E, H, generator=g).to(DEVICE) * H ** -0.5
+    w13 = torch.randn(E, 2 * inter, H, generator=g).to(DEVICE) * H ** -0.5   # vLLM's w13_weight: gate rows, then up
+    w2 = torch.randn(E, H, inter, generator=g).to(DEVICE) * inter ** -0.5    # vLLM's w2_weight
     logits = MM.linear(x, router, impl="invariant")
     n0 = P.CALLS.get("moe", 0)
     out = P.kit_moe_from_logits(x, logits, w13, w2, k, True)

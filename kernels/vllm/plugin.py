@@ -36,7 +36,7 @@ CPU (vLLM's CPU build)
 
 CUDA (vLLM 0.26)
     The kit's Triton kernels: every ``RMSNorm`` runs :mod:`batch_invariance_kit.ops.rms_norm`
-    (torch custom ops ``kit_vllm::rms_norm`` / ``kit_vllm::fused_add_rms_norm`` with fake
+    (through the torch custom ops of :mod:`batch_invariance_kit.ops.custom_ops`, with fake
     implementations, so torch.compile sees opaque ops), the unquantized MoE method runs
     :mod:`batch_invariance_kit.ops.moe` from vLLM's router logits.  Linear layers and attention are
     vLLM's own batch-invariant ones: the plugin sets ``VLLM_BATCH_INVARIANT=1``.  The kit's
@@ -342,46 +342,15 @@ def _register_cpu() -> None:
 # CUDA replacements: the kit's Triton kernels
 # ---------------------------------------------------------------------------------------------
 
-_KIT_OPS = None
-
-
-def kit_ops() -> dict:
-    """The kit's RMSNorm kernels as torch custom ops (``kit_vllm::rms_norm`` and
-    ``::fused_add_rms_norm``): opaque to torch.compile (it sees the fake, shape-only version),
-    plain calls in eager mode.  Registered once per process, on first use."""
-    global _KIT_OPS
-    if _KIT_OPS is not None:
-        return _KIT_OPS
-    from ..ops import rms_norm as RN
-
-    @torch.library.custom_op("kit_vllm::rms_norm", mutates_args=())
-    def kit_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return RN.rms_norm(x, weight, eps, impl="invariant")
-
-    @kit_rms_norm.register_fake
-    def _(x, weight, eps):
-        return torch.empty_like(x)
-
-    @torch.library.custom_op("kit_vllm::fused_add_rms_norm", mutates_args=())
-    def kit_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return RN.fused_add_rms_norm(x, residual, weight, eps, impl="invariant")
-
-    @kit_fused_add_rms_norm.register_fake
-    def _(x, residual, weight, eps):
-        return torch.empty_like(x), torch.empty_like(x)
-
-    _KIT_OPS = {"rms_norm": kit_rms_norm, "fused_add_rms_norm": kit_fused_add_rms_norm}
-    return _KIT_OPS
-
-
 def kit_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None):
     """vLLM's ``RMSNorm.forward`` contract on the kit's Triton kernels: ``x`` of any shape
     ``(..., H)`` (Qwen3's q/k norms pass a strided ``(T, heads, head_dim)`` view), returns ``out``
     shaped like ``x``, or ``(out, x + residual)`` when a residual is given.  Rows are flattened and
     copied when needed, the weight cast to ``x``'s dtype if it differs (counted as
-    ``weight_casts``)."""
-    ops = kit_ops()
+    ``weight_casts``).  The kernels are called through their torch custom ops
+    (:mod:`batch_invariance_kit.ops.custom_ops`), so torch.compile sees one opaque node each."""
+    from ..ops import custom_ops as OPS
+
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     w = weight
@@ -391,10 +360,10 @@ def kit_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, resi
     w = w.contiguous()
     if residual is None:
         count("rms_norm")
-        return ops["rms_norm"](x2, w, float(eps)).view(shape)
+        return OPS.rms_norm(x2, w, float(eps)).view(shape)
     count("fused_add_rms_norm")
     r2 = residual.reshape(-1, shape[-1]).contiguous()
-    out, z = ops["fused_add_rms_norm"](x2, r2, w, float(eps))
+    out, z = OPS.fused_add_rms_norm(x2, r2, w, float(eps))
     return out.view(shape), z.view(residual.shape)
 
 
@@ -426,7 +395,7 @@ def _register_cuda() -> None:
 
     os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
     REPLACEMENTS["linear_attention"] = "vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1)"
-    kit_ops()
+    from ..ops import custom_ops  # noqa: F401  (registers the kit's custom ops before vLLM compiles)
 
     class KitRMSNorm(RMSNorm):
         def forward(self, x, residual=None):
