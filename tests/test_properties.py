@@ -153,7 +153,8 @@ def test_decode_plans_of_one_capacity_are_interchangeable(cfg, capacity, max_len
         assert sorted(t for _, t, r, *_ in _tiles(p) for t in range(t, t + r)) == list(range(len(lens)))
         assert p.decode.seq.shape[0] == capacity and (p.decode.rows[len(lens):] == 0).all()
         merge = p.merge.tokens.tolist()
-        assert p.merge.max_splits >= max(n // A.split_size_at(n - 1, cfg) + 1 for n in lens) or p.decode.serial
+        # a decode token sits at position n - 1 of its sequence: (n - 1) // split + 1 splits (the planner's rule)
+        assert p.merge.max_splits >= max((n - 1) // A.split_size_at(n - 1, cfg) + 1 for n in lens) or p.decode.serial
         assert len(merge) == (0 if p.decode.serial else capacity) and set(merge[len(lens):]) <= {-1}
     plans[0].copy_(plans[1])
     assert all(torch.equal(a, b) for a, b in zip(plans[0].tensors(), plans[1].tensors()))
