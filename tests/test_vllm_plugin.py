@@ -126,6 +126,50 @@ def test_moe_experts_tiled_alone_equals_batch():
     assert (out.double() - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+def rms_norm_block_by_tokens(x, w, eps):
+    """Variant twin of the RMSNorm replacement: the row's sum of squares is taken in blocks whose
+    width follows the number of rows (1024 below 256 rows, 256 from there: the block-size rule
+    of vLLM's RMSNorm kernel), each block by the fixed tree, the blocks added in order."""
+    xf = x.float()
+    b = 1024 if x.shape[0] < 256 else 256
+    sq = (xf * xf).view(x.shape[0], -1, b)
+    parts = P.tree_sum_last(sq)[..., 0]
+    total = parts[:, 0]
+    for j in range(1, parts.shape[1]):
+        total = total + parts[:, j]
+    return (xf * torch.rsqrt(total[:, None] / x.shape[-1] + eps) * w.float()).to(x.dtype)
+
+
+def test_the_same_check_catches_a_block_size_chosen_by_the_batch():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 1024, generator=g)
+    w = 1 + 0.1 * torch.randn(1024, generator=g)
+    assert rows_alone_vs_batch(lambda t: P.rms_norm_fixed_tree(t, w, 1e-5), x) == []
+    assert len(rows_alone_vs_batch(lambda t: rms_norm_block_by_tokens(t, w, 1e-5), x)) > 0
+
+
+def test_the_same_check_catches_split_k_experts(monkeypatch):
+    """Variant twin of the MoE replacement: each expert's GEMMs split K once the expert holds
+    more than 8 tokens (a config chosen from the tokens per expert, as tuned MoE kernels do)."""
+    g = torch.Generator().manual_seed(3)
+    T, H, I, E, k = 20, 64, 32, 4, 2
+    x = torch.randn(T, H, generator=g)
+    w13 = 0.2 * torch.randn(E, 2 * I, H, generator=g)
+    w2 = 0.2 * torch.randn(E, H, I, generator=g)
+    tw, ti = torch.softmax(torch.randn(T, E, generator=g), -1).topk(k, -1)
+
+    def moe(t, i):
+        return P.moe_experts_tiled(t, w13, w2, tw[i], ti[i])
+
+    def differing():
+        whole = moe(x, slice(None))
+        return [i for i in range(T) if not torch.equal(moe(x[i:i + 1], slice(i, i + 1))[0], whole[i])]
+
+    assert differing() == []
+    monkeypatch.setattr(P, "tiled_linear", lambda t, w, bias=None: split_k_linear(t, w))
+    assert len(differing()) > 0
+
+
 def test_sampler_log_softmax_rows_alone_equal_rows_in_batch():
     """vLLM's sampler (not replaced): fp32 log_softmax and argmax over a 49152-entry vocabulary
     are row-wise on the CPU."""
