@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from ..checks import dtype_name
 from ..ops import attention as A
 from .timing import median_us_graph_or_plain
 from ..verify.harness import bits, bitwise_equal
@@ -68,7 +69,7 @@ def consistency(quick: bool) -> tuple:
     top = 8192 if quick else 32768
     lens = [top, 1, 513, 1000, 4097, 2 * cfg.split_size, bn - 1, top // 2 + 3] * 8  # 64 sequences
     for dtype in (torch.bfloat16, torch.float32):
-        dn = str(dtype).replace("torch.", "")
+        dn = dtype_name(dtype)
         gen = torch.Generator(device="cuda").manual_seed(1)
         data = [_seq(n, dtype, gen) for n in lens]
         differs = {}

@@ -377,6 +377,26 @@ def completion_key(c: Completion) -> tuple:
     return tuple(c.tokens), c.logprob_rows.contiguous().view(torch.int32).numpy().tobytes()
 
 
+def _randint(g: torch.Generator, lo: int, hi: int) -> int:
+    """One integer in ``lo..hi`` (inclusive) from ``g``."""
+    return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+
+def with_random_load(requests: list, g: torch.Generator, *, fillers: int, vocab: int, filler_len: tuple,
+                     filler_max_new: int, max_arrival: int) -> list:
+    """``requests`` among ``fillers`` random greedy requests (``"filler{j}"``: a random prompt of
+    ``filler_len`` tokens, 1..``filler_max_new`` new tokens, arriving at a random step
+    ``0..max_arrival``), all drawn from ``g`` after whatever the caller drew, then shuffled by
+    ``g``."""
+    reqs = list(requests)
+    for j in range(fillers):
+        n = _randint(g, *filler_len)
+        reqs.append(Request(torch.randint(0, vocab, (n,), generator=g).tolist(), _randint(g, 1, filler_max_new),
+                            arrival=_randint(g, 0, max_arrival), req_id=f"filler{j}"))
+    order = torch.randperm(len(reqs), generator=g).tolist()
+    return [reqs[i] for i in order]
+
+
 def load_experiment(model: Qwen3Model, prompt: list, *, copies: int = 4, fillers: int = 6,
                     max_new_tokens: int = 4, max_arrival: int = 6, filler_len: tuple = (4, 96),
                     seed: int = 0, **engine_kwargs) -> dict:
@@ -386,19 +406,10 @@ def load_experiment(model: Qwen3Model, prompt: list, *, copies: int = 4, fillers
     draws all of it).  Returns the number of distinct token sequences and of distinct bitwise
     log-probability sequences among the copies, with the step sizes each copy saw."""
     g = torch.Generator().manual_seed(int(seed))
-    V = model.cfg.vocab_size
-
-    def ri(lo, hi):
-        return int(torch.randint(lo, hi + 1, (1,), generator=g))
-
-    reqs = [Request(list(prompt), max_new_tokens, arrival=ri(0, max_arrival), req_id=f"copy{i}")
+    reqs = [Request(list(prompt), max_new_tokens, arrival=_randint(g, 0, max_arrival), req_id=f"copy{i}")
             for i in range(copies)]
-    for j in range(fillers):
-        n = ri(*filler_len)
-        reqs.append(Request(torch.randint(0, V, (n,), generator=g).tolist(), ri(1, 6),
-                            arrival=ri(0, max_arrival), req_id=f"filler{j}"))
-    order = torch.randperm(len(reqs), generator=g).tolist()
-    reqs = [reqs[i] for i in order]
+    reqs = with_random_load(reqs, g, fillers=fillers, vocab=model.cfg.vocab_size, filler_len=filler_len,
+                            filler_max_new=6, max_arrival=max_arrival)
     eng = Engine(model, **engine_kwargs)
     out = eng.run(reqs)
     mine = [c for c in out if str(c.req_id).startswith("copy")]

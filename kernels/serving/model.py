@@ -34,6 +34,7 @@ import torch
 from ..ops import attention as A
 from ..ops import moe as MOE
 from ..ops import rms_norm as RN
+from ..checks import DTYPES
 from ..device import DEVICE
 from ..verify.harness import seeded_normal
 from ..ops.matmul import linear
@@ -42,7 +43,6 @@ __all__ = ["IMPLS", "FAMILIES", "resolve_impl", "Qwen3Config", "StepBatch", "Qwe
            "random_weights", "init_weight"]
 
 IMPLS = ("invariant", "variant")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Qwen3Config:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self.torch_dtype]
+        return DTYPES[self.torch_dtype]
 
     def hf_config(self) -> dict:
         """The ``config.json`` of a Hugging Face checkpoint of this model."""

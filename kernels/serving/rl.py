@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from .engine import Engine, Request, step_batch
+from .engine import Engine, Request, _randint, step_batch, with_random_load
 from .model import Qwen3Model
 
 __all__ = ["trainer_logprobs", "row_kl", "load_requests", "sampler_vs_trainer", "even_token_reward",
@@ -124,18 +124,10 @@ def load_requests(prompts: list, *, max_new_tokens: int, fillers: int, vocab: in
     tokens, 1 to ``max_new_tokens`` new tokens); every request arrives at a random step
     ``0..max_arrival``, all drawn by one ``torch.Generator`` seeded by ``seed``."""
     g = torch.Generator().manual_seed(int(seed))
-
-    def ri(lo, hi):
-        return int(torch.randint(lo, hi + 1, (1,), generator=g))
-
     reqs = [Request(list(p), max_new_tokens, temperature=temperature, seed=seed * 1000 + i,
-                    arrival=ri(0, max_arrival), req_id=f"rollout{i}") for i, p in enumerate(prompts)]
-    for j in range(fillers):
-        n = ri(*filler_len)
-        reqs.append(Request(torch.randint(0, vocab, (n,), generator=g).tolist(), ri(1, max_new_tokens),
-                            arrival=ri(0, max_arrival), req_id=f"filler{j}"))
-    order = torch.randperm(len(reqs), generator=g).tolist()
-    return [reqs[i] for i in order]
+                    arrival=_randint(g, 0, max_arrival), req_id=f"rollout{i}") for i, p in enumerate(prompts)]
+    return with_random_load(reqs, g, fillers=fillers, vocab=vocab, filler_len=filler_len,
+                            filler_max_new=max_new_tokens, max_arrival=max_arrival)
 
 
 def _rollouts(completions: list) -> list:

@@ -61,6 +61,8 @@ from pathlib import Path
 
 import torch
 
+from ..checks import dtype_name
+
 ENV_SWITCH = "KIT_BATCH_INVARIANT"
 ENV_REPORT = "KIT_PLUGIN_REPORT"
 ENV_ATTENTION = "KIT_ATTENTION"
@@ -176,7 +178,7 @@ def tile_is_position_free(weight: torch.Tensor, tm: int, seed: int = 0) -> bool:
 
 def tile_for(weight: torch.Tensor) -> int:
     """The tile height for this weight's shape and dtype (decided once, recorded in ``TILES``)."""
-    key = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).replace('torch.', '')}"
+    key = f"{weight.shape[0]}x{weight.shape[1]} {dtype_name(weight.dtype)}"
     if key not in TILES:
         tm = tile_m()
         TILES[key] = tm if tile_is_position_free(weight, tm) else 1
