@@ -34,7 +34,7 @@ def test_fake_implementations_give_shapes_without_running():
     answers on fake tensors (what torch.compile traces with)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    for name in K.__all__[1:]:
+    for name in (n for n in K.__all__ if n not in ("NAMESPACE", "CALLS", "ON_CALL")):
         assert isinstance(getattr(OPS, name), torch._ops.OpOverloadPacket), name
     with FakeTensorMode():
         x, w = torch.empty((5, 64), dtype=torch.bfloat16), torch.empty((64,), dtype=torch.bfloat16)
@@ -69,6 +69,45 @@ def test_linear_and_moe_compiled_equal_eager():
     xm = _x((11, H), 7)
     router, gu, down = _x((E, H), 8), _x((E, 2 * I, H), 9), _x((E, H, I), 10)
     _compiled_equals_eager(lambda x: OPS.fused_moe(x, router, gu, down, 2), xm)
+
+
+def test_moe_from_logits_compiled_equals_eager_and_fused_moe():
+    """vLLM's call form of the MoE (router logits given) under torch.compile: the eager bits,
+    which are those of :func:`fused_moe` with the same router."""
+    E, H, I = 4, 64, 32
+    xm = _x((11, H), 11)
+    router, gu, down = _x((E, H), 12), _x((E, 2 * I, H), 13), _x((E, H, I), 14)
+    logits = OPS.linear(xm, router)
+    _compiled_equals_eager(lambda x, lg: OPS.moe_from_logits(x, lg, gu, down, 2, True), xm, logits)
+    assert bitwise_equal(K.moe_from_logits(xm, logits, gu, down, 2, True), K.fused_moe(xm, router, gu, down, 2))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_cpu_ops_compiled_equal_eager_and_count_every_call(backend):
+    """The CPU replacements of the vLLM plugin (plain torch on CPU tensors) in one compiled
+    graph, by Inductor as vLLM's CPU build compiles: the eager bits, and every call of the
+    compiled graph counted by the ops themselves (the count vLLM's plugin reports)."""
+    g = torch.Generator().manual_seed(0)
+    T, H, N, E, I = 21, 64, 48, 4, 32
+    x, r = torch.randn(T, H, generator=g).bfloat16(), torch.randn(T, H, generator=g).bfloat16()
+    w, wn = torch.randn(N, H, generator=g).bfloat16(), (1 + 0.1 * torch.randn(H, generator=g)).bfloat16()
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g).bfloat16(), torch.randn(E, H, I, generator=g).bfloat16()
+    tw, ti = torch.softmax(torch.randn(T, E, generator=g), -1).topk(2, -1)
+
+    def f(x, r):
+        h, res = OPS.cpu_fused_add_rms_norm(x, r, wn, 1e-6)
+        y = OPS.cpu_moe_experts(h, w13, w2, tw, ti, 16, 16) + OPS.cpu_rms_norm(res, None, 1e-6)
+        return OPS.cpu_linear(y, w, None, 16)
+
+    torch._dynamo.reset()
+    eager = f(x, r)
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    assert bitwise_equal(compiled(x, r), eager)
+    before = dict(K.CALLS)
+    for _ in range(3):
+        compiled(x, r)
+    for name in ("linear", "rms_norm", "fused_add_rms_norm", "moe"):
+        assert K.CALLS[name] - before.get(name, 0) == 3, (name, K.CALLS)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

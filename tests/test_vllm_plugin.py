@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batch_invariance_kit.ops import fixed_shape as FS
 from batch_invariance_kit.vllm import plugin as P
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +24,15 @@ def rows_alone_vs_batch(f, x: torch.Tensor) -> list:
     """Row indices whose ``f(batch)`` bits differ from ``f(row alone)``."""
     whole = f(x)
     return [i for i in range(x.shape[0]) if not torch.equal(f(x[i:i + 1])[0], whole[i])]
+
+
+def tiled(x, w, bias=None):
+    """The plugin's linear: tiles of the height it decides for this weight on this CPU."""
+    return FS.tiled_linear(x, w, bias, tm=P.tile_for(w))
+
+
+def moe_tiled(x, w13, w2, tw, ti):
+    return FS.moe_experts_tiled(x, w13, w2, tw, ti, tm_gate_up=P.tile_for(w13[0]), tm_down=P.tile_for(w2[0]))
 
 
 def split_k_linear(x, w):
@@ -42,12 +52,12 @@ def test_tiled_linear_rows_alone_equal_rows_in_batch(dtype, m):
     w = torch.randn(384, 576, generator=g).to(dtype)
     x = torch.randn(m, 576, generator=g).to(dtype)
     bias = torch.randn(384, generator=g).to(dtype)
-    assert rows_alone_vs_batch(lambda t: P.tiled_linear(t, w, bias), x) == []
+    assert rows_alone_vs_batch(lambda t: tiled(t, w, bias), x) == []
     ref = x.double() @ w.double().t() + bias.double()
     tol = 0.1 if dtype == torch.bfloat16 else 1e-3
-    assert (P.tiled_linear(x, w, bias).double() - ref).abs().max() < tol * ref.abs().max()
+    assert (tiled(x, w, bias).double() - ref).abs().max() < tol * ref.abs().max()
     # a 3-D input (tokens of several sequences) keeps its leading shape
-    assert P.tiled_linear(x.reshape(1, m, 576), w).shape == (1, m, 384)
+    assert tiled(x.reshape(1, m, 576), w).shape == (1, m, 384)
 
 
 def test_the_same_check_catches_split_k():
@@ -61,27 +71,27 @@ def test_tile_decision_is_recorded():
     w = torch.randn(64, 128).to(torch.bfloat16)
     tm = P.tile_for(w)
     assert tm in (1, P.TILE_M) and P.TILES["64x128 bfloat16"] == tm
-    assert P.tile_is_position_free(w, 1)
+    assert FS.tile_is_position_free(w, 1)
 
 
 def test_tiled_linear_bad_input():
     w = torch.randn(8, 16)
     with pytest.raises(ValueError, match="weight"):
-        P.tiled_linear(torch.randn(2, 16), torch.randn(2, 8, 16))
+        tiled(torch.randn(2, 16), torch.randn(2, 8, 16))
     with pytest.raises(ValueError, match="K"):
-        P.tiled_linear(torch.randn(2, 15), w)
+        tiled(torch.randn(2, 15), w)
     with pytest.raises(TypeError, match="dtype"):
-        P.tiled_linear(torch.randn(2, 16).double(), w)
+        tiled(torch.randn(2, 16).double(), w)
     with pytest.raises(TypeError, match="x must"):
-        P.tiled_linear([[1.0] * 16], w)
+        tiled([[1.0] * 16], w)
 
 
 def test_tree_sum_is_fixed_and_exact_for_integers():
     v = torch.arange(1, 577, dtype=torch.float32).reshape(1, 576)
-    assert P.tree_sum_last(v).item() == 576 * 577 / 2
+    assert FS.tree_sum_last(v).item() == 576 * 577 / 2
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1))
-    assert rows_alone_vs_batch(P.tree_sum_last, x) == []
-    assert P.tree_sum_last(torch.ones(3, 1)).flatten().tolist() == [1.0, 1.0, 1.0]
+    assert rows_alone_vs_batch(FS.tree_sum_last, x) == []
+    assert FS.tree_sum_last(torch.ones(3, 1)).flatten().tolist() == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -90,10 +100,10 @@ def test_rms_norm_fixed_tree(dtype):
     x = torch.randn(300, 576, generator=g).to(dtype)
     r = torch.randn(300, 576, generator=g).to(dtype)
     w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
-    assert rows_alone_vs_batch(lambda t: P.rms_norm_fixed_tree(t, w, 1e-5), x) == []
-    both = P.rms_norm_fixed_tree(x, w, 1e-5, r)
+    assert rows_alone_vs_batch(lambda t: FS.rms_norm_fixed_tree(t, w, 1e-5), x) == []
+    both = FS.rms_norm_fixed_tree(x, w, 1e-5, r)
     for i in (0, 7, 299):
-        one = P.rms_norm_fixed_tree(x[i:i + 1], w, 1e-5, r[i:i + 1])
+        one = FS.rms_norm_fixed_tree(x[i:i + 1], w, 1e-5, r[i:i + 1])
         assert torch.equal(one[0][0], both[0][i]) and torch.equal(one[1][0], both[1][i])
     # vLLM's semantics: the residual sum (rounded to dtype) and the normalized sum
     s = x.double() + r.double()
@@ -112,9 +122,9 @@ def test_moe_experts_tiled_alone_equals_batch():
     logits = torch.randn(T, E, generator=g)
     tw, ti = torch.softmax(logits, -1).topk(k, -1)
     tw = tw / tw.sum(-1, keepdim=True)
-    out = P.moe_experts_tiled(x, w13, w2, tw, ti)
+    out = moe_tiled(x, w13, w2, tw, ti)
     for i in range(T):
-        assert torch.equal(P.moe_experts_tiled(x[i:i + 1], w13, w2, tw[i:i + 1], ti[i:i + 1])[0], out[i])
+        assert torch.equal(moe_tiled(x[i:i + 1], w13, w2, tw[i:i + 1], ti[i:i + 1])[0], out[i])
     # against a float64 reference
     ref = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
@@ -133,7 +143,7 @@ def rms_norm_block_by_tokens(x, w, eps):
     xf = x.float()
     b = 1024 if x.shape[0] < 256 else 256
     sq = (xf * xf).view(x.shape[0], -1, b)
-    parts = P.tree_sum_last(sq)[..., 0]
+    parts = FS.tree_sum_last(sq)[..., 0]
     total = parts[:, 0]
     for j in range(1, parts.shape[1]):
         total = total + parts[:, j]
@@ -144,7 +154,7 @@ def test_the_same_check_catches_a_block_size_chosen_by_the_batch():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(300, 1024, generator=g)
     w = 1 + 0.1 * torch.randn(1024, generator=g)
-    assert rows_alone_vs_batch(lambda t: P.rms_norm_fixed_tree(t, w, 1e-5), x) == []
+    assert rows_alone_vs_batch(lambda t: FS.rms_norm_fixed_tree(t, w, 1e-5), x) == []
     assert len(rows_alone_vs_batch(lambda t: rms_norm_block_by_tokens(t, w, 1e-5), x)) > 0
 
 
@@ -159,14 +169,14 @@ def test_the_same_check_catches_split_k_experts(monkeypatch):
     tw, ti = torch.softmax(torch.randn(T, E, generator=g), -1).topk(k, -1)
 
     def moe(t, i):
-        return P.moe_experts_tiled(t, w13, w2, tw[i], ti[i])
+        return moe_tiled(t, w13, w2, tw[i], ti[i])
 
     def differing():
         whole = moe(x, slice(None))
         return [i for i in range(T) if not torch.equal(moe(x[i:i + 1], slice(i, i + 1))[0], whole[i])]
 
     assert differing() == []
-    monkeypatch.setattr(P, "tiled_linear", lambda t, w, bias=None: split_k_linear(t, w))
+    monkeypatch.setattr(FS, "tiled_linear", lambda t, w, bias=None, tm=None: split_k_linear(t, w))
     assert len(differing()) > 0
 
 
@@ -221,6 +231,7 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm.model_executor.custom_op import op_registry_oot
 import vllm.model_executor.layers.utils as U
+from batch_invariance_kit.ops import fixed_shape as FS
 from batch_invariance_kit.vllm import plugin as P
 print(json.dumps({"oot": sorted(op_registry_oot), "dispatch": U.dispatch_cpu_unquantized_gemm.__name__,
                   "split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV"), "repl": sorted(P.REPLACEMENTS)}))
@@ -245,6 +256,7 @@ def test_unreplaced_vllm_gemm_differs_where_the_tiled_one_does_not():
     code = r"""
 import json, torch
 import vllm.model_executor.layers.utils as U
+from batch_invariance_kit.ops import fixed_shape as FS
 from batch_invariance_kit.vllm import plugin as P
 g = torch.Generator().manual_seed(0)
 layer = torch.nn.Module()
@@ -253,7 +265,7 @@ U.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 x = torch.randn(64, 576, generator=g).bfloat16()
 out = {"vllm": [], "kit": []}
 for name, f in (("vllm", lambda t: layer.cpu_linear(t, layer.weight, None)),
-                ("kit", lambda t: P.tiled_linear(t, layer.weight))):
+                ("kit", lambda t: tiled(t, layer.weight))):
     alone = torch.cat([f(x[i:i + 1]) for i in range(64)])
     for m in (2, 5, 8, 16, 33, 64):
         if not torch.equal(f(x[:m]), alone[:m]):

@@ -16,7 +16,17 @@ op                          kit function
 ``fused_moe``               :func:`.moe.fused_moe`
 ``write_kv``                :func:`.attention.write_kv` (mutates the paged caches)
 ``attention``               :func:`.attention.attention`
+``moe_from_logits``         the MoE of :mod:`.moe` from given router logits (vLLM computes them)
+``cpu_linear``              :func:`.fixed_shape.tiled_linear` (vLLM's CPU build)
+``cpu_rms_norm``            :func:`.fixed_shape.rms_norm_fixed_tree` (vLLM's CPU build)
+``cpu_fused_add_rms_norm``  :func:`.fixed_shape.rms_norm_fixed_tree` with a residual (returns both)
+``cpu_moe_experts``         :func:`.fixed_shape.moe_experts_tiled` (vLLM's CPU build)
 =========================  ===================================================================
+
+Every call of an op's implementation is counted in :data:`CALLS` under the vLLM op it stands for
+(``linear``, ``rms_norm``, ``fused_add_rms_norm``, ``moe``, ``attention``), then :data:`ON_CALL`
+hooks run (the vLLM plugin's report writer).  The count is taken where the kernel runs, so it
+holds in eager and compiled mode; a CUDA-graph replay runs no Python and is not counted.
 
 Only APIs present in torch 2.4 and later are used (``custom_op``, ``register_fake``).  The ops
 take the device metadata of a step; an engine that plans attention once per step on the host
@@ -25,22 +35,38 @@ vLLM backend does).
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 from torch.library import custom_op
 
 from . import attention as A
+from . import fixed_shape as FS
 from . import matmul as MM
 from . import moe as MOE
 from . import rms_norm as RN
 
 NAMESPACE = "batch_invariance_kit"
 
-__all__ = ["NAMESPACE", "rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "linear", "fused_moe", "write_kv",
-           "attention"]
+__all__ = ["NAMESPACE", "CALLS", "ON_CALL", "rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "linear",
+           "fused_moe", "moe_from_logits", "write_kv", "attention", "cpu_linear", "cpu_rms_norm",
+           "cpu_fused_add_rms_norm", "cpu_moe_experts"]
+
+#: Calls of the ops' implementations, by the vLLM op each stands for.
+CALLS: collections.Counter = collections.Counter()
+#: Functions called (no arguments) after every counted call.
+ON_CALL: list = []
+
+
+def _called(name: str) -> None:
+    CALLS[name] += 1
+    for hook in ON_CALL:
+        hook()
 
 
 @custom_op(f"{NAMESPACE}::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "invariant") -> torch.Tensor:
+    _called("rms_norm")
     return RN.rms_norm(x, weight, eps, impl=impl)
 
 
@@ -52,6 +78,7 @@ def _(x, weight, eps, impl="invariant"):
 @custom_op(f"{NAMESPACE}::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        impl: str = "invariant") -> tuple[torch.Tensor, torch.Tensor]:
+    _called("fused_add_rms_norm")
     return RN.fused_add_rms_norm(x, residual, weight, eps, impl=impl)
 
 
@@ -63,6 +90,7 @@ def _(x, residual, weight, eps, impl="invariant"):
 @custom_op(f"{NAMESPACE}::fused_add_rms_norm_", mutates_args=("x", "residual"))
 def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                         impl: str = "invariant") -> None:
+    _called("fused_add_rms_norm")
     RN.fused_add_rms_norm_(x, residual, weight, eps, impl=impl)
 
 
@@ -74,6 +102,7 @@ def _(x, residual, weight, eps, impl="invariant"):
 @custom_op(f"{NAMESPACE}::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            impl: str = "invariant") -> torch.Tensor:
+    _called("linear")
     return MM.linear(x, weight, bias, impl=impl)
 
 
@@ -85,6 +114,7 @@ def _(x, weight, bias=None, impl="invariant"):
 @custom_op(f"{NAMESPACE}::fused_moe", mutates_args=())
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               top_k: int, renormalize: bool = True, scoring: str = "softmax", impl: str = "invariant") -> torch.Tensor:
+    _called("moe")
     return MOE.fused_moe(x, router_weight, w_gate_up, w_down, top_k, scoring=scoring, renormalize=renormalize,
                          impl=impl)
 
@@ -109,9 +139,84 @@ def _(key, value, k_cache, v_cache, slot_mapping):
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None = None,
               impl: str = "invariant") -> torch.Tensor:
+    _called("attention")
     return A.attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=scale, impl=impl)
 
 
 @attention.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=None, impl="invariant"):
     return torch.empty_like(q)
+
+
+@custom_op(f"{NAMESPACE}::moe_from_logits", mutates_args=())
+def moe_from_logits(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    top_k: int, renormalize: bool) -> torch.Tensor:
+    """The kit's MoE from given router logits (vLLM computes them with its gate linear):
+    :func:`.moe.route` (softmax), ``dispatch``, ``grouped_gemm`` (gate/up + SiLU-and-mul, then
+    down), ``combine``.  Layouts are vLLM's: ``w13`` ``(E, 2I, H)`` gate rows then up rows, ``w2``
+    ``(E, H, I)``.  No host sync (the dispatch is not validated on the host): CUDA-graph safe."""
+    _called("moe")
+    x = x.contiguous()
+    T, E = x.shape[0], w13.shape[0]
+    weights, ids = MOE.route(router_logits.contiguous(), top_k, scoring="softmax", renormalize=renormalize,
+                             impl="invariant")
+    cfg = MOE.select_config(T, top_k, E, x.dtype, "invariant")
+    disp = MOE.dispatch(ids, E, cfg.block_m, validate=False)
+    h = MOE.grouped_gemm(x, w13, disp, activation="silu_mul", gather_tokens=True, impl="invariant", config=cfg)
+    y = MOE.grouped_gemm(h, w2, disp, impl="invariant", config=cfg)
+    return MOE.combine(y, weights)
+
+
+@moe_from_logits.register_fake
+def _(x, router_logits, w13, w2, top_k, renormalize):
+    return torch.empty_like(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's CPU build: fixed-shape library calls (plain torch, :mod:`.fixed_shape`)
+# ---------------------------------------------------------------------------------------------
+
+@custom_op(f"{NAMESPACE}::cpu_linear", mutates_args=())
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tm: int) -> torch.Tensor:
+    _called("linear")
+    return FS.tiled_linear(x, weight, bias, tm=tm)
+
+
+@cpu_linear.register_fake
+def _(x, weight, bias, tm):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@custom_op(f"{NAMESPACE}::cpu_rms_norm", mutates_args=())
+def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    _called("rms_norm")
+    return FS.rms_norm_fixed_tree(x, weight, eps)
+
+
+@cpu_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@custom_op(f"{NAMESPACE}::cpu_fused_add_rms_norm", mutates_args=())
+def cpu_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _called("fused_add_rms_norm")
+    return FS.rms_norm_fixed_tree(x, weight, eps, residual)
+
+
+@cpu_fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@custom_op(f"{NAMESPACE}::cpu_moe_experts", mutates_args=())
+def cpu_moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, tm_gate_up: int, tm_down: int) -> torch.Tensor:
+    _called("moe")
+    return FS.moe_experts_tiled(x, w13, w2, topk_weights, topk_ids, tm_gate_up=tm_gate_up, tm_down=tm_down)
+
+
+@cpu_moe_experts.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, tm_gate_up, tm_down):
+    return torch.empty_like(x)

@@ -35,10 +35,11 @@ def encode(tokenizer, question: str) -> list:
 
 
 def chat_spec(folder, *, targets: int = 6, fillers: int = 24, max_tokens: int = 24, orders=(0, 1),
-              decode_vs_prefill: int = 2, seed: int = 0, dtype: str = "bfloat16") -> dict:
+              decode_vs_prefill: int = 2, seed: int = 0, dtype: str = "bfloat16", eager: bool = False) -> dict:
     """A :func:`batch_invariance_kit.vllm.runner.make_spec` experiment of chat prompts for the
     model in ``folder`` (its tokenizer): the first ``targets`` questions, ``fillers`` requests
-    drawn by ``seed`` with output lengths of 4 to ``2 * max_tokens`` tokens."""
+    drawn by ``seed`` with output lengths of 4 to ``2 * max_tokens`` tokens; ``eager``: every mode
+    with ``enforce_eager=True`` (default: compiled, as vLLM ships)."""
     from transformers import AutoTokenizer
 
     from .runner import make_spec
@@ -52,4 +53,4 @@ def chat_spec(folder, *, targets: int = 6, fillers: int = 24, max_tokens: int = 
     chosen = rng.sample(FILLERS, fillers)
     return make_spec([encode(tok, q) for q in TARGETS[:targets]], [encode(tok, q) for q in chosen],
                      max_tokens=max_tokens, filler_max_tokens=[rng.randint(4, 2 * max_tokens) for _ in chosen],
-                     orders=orders, decode_vs_prefill=decode_vs_prefill, dtype=dtype)
+                     orders=orders, decode_vs_prefill=decode_vs_prefill, dtype=dtype, eager=eager)

@@ -19,10 +19,12 @@ staged):
   and swaps the kit's Triton kernels in through ``CustomOp.register_oot``: every ``RMSNorm``
   (plain and fused residual-add: input/post-attention norms, per-head q/k norms, the final norm)
   runs :mod:`batch_invariance_kit.ops.rms_norm`, and the MoE experts (routing from vLLM's router
-  logits, dispatch, grouped GEMMs, combine) run :mod:`batch_invariance_kit.ops.moe`.  Attention
-  stays vLLM's (see :data:`ATTENTION_NOT_SWAPPED`).  Kit mode runs
-  eagerly (``enforce_eager=True``: no torch.compile, no CUDA graphs) unless ``--kit-compiled``, so
-  the call counters of the swapped kernels count every call.
+  logits, dispatch, grouped GEMMs, combine) run :mod:`batch_invariance_kit.ops.moe`, all through
+  the kit's torch custom ops.  Attention is vLLM's batch-invariant backend, or the kit's
+  (:mod:`batch_invariance_kit.vllm.attention_backend`, registered by the plugin as vLLM's
+  ``CUSTOM`` backend) with ``--attention-backend CUSTOM``.  Kit mode is compiled like the default
+  (torch.compile + CUDA graphs); ``--kit-eager`` runs it with ``enforce_eager=True``.  The call
+  counters of the swapped kernels count the calls outside CUDA-graph replays (every call, eager).
 
 Experiments of one (model, mode), all greedy (``temperature=0``, ``ignore_eos=True``), with the
 log-probability of every sampled token (``logprobs=0``; ``logprobs_mode="raw_logprobs"``, vLLM's
@@ -79,13 +81,12 @@ BASE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING"
 MODE_ENV = {"default": {"KIT_BATCH_INVARIANT": "0"},
             "invariant": {"KIT_BATCH_INVARIANT": "0", "VLLM_BATCH_INVARIANT": "1"},
             "kit": {"KIT_BATCH_INVARIANT": "1", "VLLM_BATCH_INVARIANT": "1"}}
-ATTENTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
-ATTENTION_NOT_SWAPPED = (
-    "not swapped: vLLM 0.26 allows it (register_backend(AttentionBackendEnum.CUSTOM, ...) in "
-    "v1/attention/backends/registry.py, then attention_config={'backend': 'CUSTOM'}), but "
-    "batch_invariance_kit.ops.attention plans its launches on the host (seq_lens as Python lists: a sync per "
-    "layer) and enforces the chunk-alignment rule (a prefill chunk or prefix hit must start at a "
-    "multiple of block_n = 64 keys), which vLLM's scheduler does not guarantee; not attempted here")
+#: ``CUSTOM``: the kit's attention backend, which the plugin registers under that name (kit mode).
+ATTENTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "CUSTOM")
+KIT_ATTENTION = ("with --attention-backend CUSTOM, kit mode runs the kit's attention "
+                 "(batch_invariance_kit.vllm.attention_backend.KitAttentionBackend, registered by the plugin as "
+                 "vLLM's CUSTOM backend; plan built once per step on the host, any chunk start); otherwise "
+                 "the requested vLLM backend in vLLM's batch-invariant mode")
 
 VOCAB = 32768
 TARGET_LEN = 100
@@ -135,8 +136,8 @@ def parser() -> argparse.ArgumentParser:
                    help="where the models are saved (default: <tempdir>/kit-models)")
     p.add_argument("--attention-backend", default="FLASH_ATTN", help=f"one of {list(ATTENTION_BACKENDS)}")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    p.add_argument("--kit-compiled", action="store_true",
-                   help="kit mode with torch.compile + CUDA graphs (default: enforce_eager=True)")
+    p.add_argument("--kit-eager", action="store_true",
+                   help="kit mode with enforce_eager=True (default: torch.compile + CUDA graphs, like vLLM's default)")
     p.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")
     # internal: the subprocesses
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -159,6 +160,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.budget_s = 1800.0 if a.model is not None else 480.0
     if not (isinstance(a.budget_s, float) and math.isfinite(a.budget_s) and a.budget_s > 0):
         raise ValueError(f"--budget-s must be a positive number of seconds, got {a.budget_s!r}")
+    a.kit_compiled = not a.kit_eager
+    if a.attention_backend == "CUSTOM" and a.model is None and a.modes != ["kit"]:
+        raise ValueError("--attention-backend CUSTOM (the kit's attention, registered by the plugin) needs --modes kit")
     if a.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, got {a.attention_backend!r}")
     if not (0.05 <= a.gpu_memory_utilization <= 0.95):
@@ -320,7 +324,7 @@ def run_worker(a: argparse.Namespace) -> int:
     def save(status=None):
         if status:
             part["status"] = status
-        part["kit_calls"] = dict(plugin.CALLS)
+        part["kit_calls"] = plugin.snapshot()["calls"]
         part["worker_s"] = time.time() - t_start
         _write_json(a.part, part)
 
@@ -351,7 +355,7 @@ def run_worker(a: argparse.Namespace) -> int:
         t0 = time.time()
         llm = LLM(**kw)
         part["init_s"] = time.time() - t0
-        part["kit_calls_after_init"] = dict(plugin.CALLS)
+        part["kit_calls_after_init"] = plugin.snapshot()["calls"]
         if kit:
             part["swapped"] = dict(plugin.REPLACEMENTS)
     except Exception:
@@ -405,7 +409,7 @@ def run_worker(a: argparse.Namespace) -> int:
             part["experiments"][name] = {"skipped": f"budget: {left():.0f} s left before the deadline"}
             save()
             continue
-        calls0 = dict(plugin.CALLS)
+        calls0 = plugin.snapshot()["calls"]
         t0 = time.time()
         try:
             if name == "bs":
@@ -461,7 +465,8 @@ def run_worker(a: argparse.Namespace) -> int:
                        "wall_s": wall, "output_tokens_per_s": out_toks / wall,
                        "total_tokens_per_s": (in_toks + out_toks) / wall}
             res["seconds"] = time.time() - t0
-            res["kit_calls"] = {k: plugin.CALLS.get(k, 0) - calls0.get(k, 0) for k in plugin.CALLS}
+            now = plugin.snapshot()["calls"]
+            res["kit_calls"] = {k: now[k] - calls0.get(k, 0) for k in now}
             part["experiments"][name] = res
         except Exception:
             part["experiments"][name] = {"error": traceback.format_exc(), "seconds": time.time() - t0}
@@ -629,7 +634,7 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
     extra = {"plan": {"models": a.models, "modes": a.modes, "budget_s": a.budget_s, "quick": a.quick,
                       "attention_backend": a.attention_backend, "kit_compiled": a.kit_compiled,
                       "experiments": list(EXPERIMENTS), "batch_sizes": list(BATCH_SIZES),
-                      "new_tokens": NEW_TOKENS, "kit_attention": ATTENTION_NOT_SWAPPED},
+                      "new_tokens": NEW_TOKENS, "kit_attention": KIT_ATTENTION},
              "jobs": jobs}
     me = [sys.executable, "-m", "batch_invariance_kit.vllm.check"]
     parts = []
@@ -666,7 +671,7 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
                     "--folder", os.path.join(a.model_dir, j["model"]), "--part", str(part_path),
                     "--deadline", repr(deadline - 5.0), "--attention-backend", a.attention_backend,
                     "--gpu-memory-utilization", repr(a.gpu_memory_utilization)]
-        cmd += (["--quick"] if a.quick else []) + (["--kit-compiled"] if a.kit_compiled else [])
+        cmd += (["--quick"] if a.quick else []) + (["--kit-eager"] if a.kit_eager else [])
         try:
             r = launch("worker", cmd, worker_env(j["mode"]), left,
                        out / "logs" / f"{j['model']}__{j['mode']}.log")

@@ -9,15 +9,15 @@ CPU (vLLM's CPU build)
     * **linear layers and the lm_head**: ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``
       (vLLM calls it once per layer after the weights are loaded to choose that layer's GEMM:
       oneDNN, a packed-weight kernel or ``F.linear``, by shape and CPU) is replaced by one that
-      gives every 2-D layer :func:`tiled_linear`: the rows are cut into tiles of ``TILE_M`` rows
+      gives every 2-D layer :func:`~batch_invariance_kit.ops.fixed_shape.tiled_linear`: the rows are cut into tiles of ``TILE_M`` rows
       (the last one padded with zeros), so the GEMM library only ever sees one shape per layer,
       whatever the batch.  Its blocking, K order and threading are a function of that shape.
       The one property a shape cannot fix, that a row's bits do not depend on its place in the
-      tile, is checked once per (N, K, dtype) by :func:`tile_is_position_free` on the present
+      tile, is checked once per (N, K, dtype) by :func:`~batch_invariance_kit.ops.fixed_shape.tile_is_position_free` on the present
       CPU; a shape that fails it runs one row per GEMM (``tile_m = 1``).
     * **RMSNorm** (plain and fused residual-add): ``CustomOp.register_oot`` makes every
       ``RMSNorm(...)`` of the model a :class:`KitRMSNorm` whose ``forward``, ``forward_native``
-      and ``forward_cpu`` all run :func:`rms_norm_fixed_tree`: the sum of squares of a row is a
+      and ``forward_cpu`` all run :func:`~batch_invariance_kit.ops.fixed_shape.rms_norm_fixed_tree`: the sum of squares of a row is a
       fixed pairwise tree of elementwise fp32 additions (the row padded with zeros to a power of
       two), so each row's bits are those of the row alone by construction.
     * **attention**: vLLM's CPU attention splits a long KV sequence into chunks chosen from the
@@ -30,7 +30,7 @@ CPU (vLLM's CPU build)
       started, and the interpreter is far too slow for a 30-layer model.
     * **MoE experts**: ``CustomOp.register_oot`` replaces ``UnquantizedFusedMoEMethod`` by
       :class:`KitCPUMoEMethod` (its ``apply`` runs each expert's tokens through
-      :func:`tiled_linear`, SiLU-and-mul, and sums the top-k outputs of a token in fp32 in rank
+      ``tiled_linear``, SiLU-and-mul, and sums the top-k outputs of a token in fp32 in rank
       order).  vLLM's router (a linear layer: tiled) and its softmax/top-k (one row at a time)
       feed it.
 
@@ -43,7 +43,15 @@ CUDA (vLLM 0.26)
     attention backend, when present and ``KIT_ATTENTION`` is not ``0``, is registered as vLLM's
     ``CUSTOM`` backend (chosen with ``attention_config={"backend": "CUSTOM"}``).
 
-What ran is recorded: each replacement counts its calls, and with ``KIT_PLUGIN_REPORT=DIR`` every
+Compiled mode (vLLM's default: torch.compile, and CUDA graphs on a GPU) and eager mode
+(``enforce_eager=True``) run the same replacements: everything that runs in the model's forward
+is a torch custom op of :mod:`batch_invariance_kit.ops.custom_ops` (``cpu_linear``,
+``cpu_rms_norm``, ``cpu_fused_add_rms_norm``, ``cpu_moe_experts`` on the CPU; ``rms_norm``,
+``fused_add_rms_norm``, ``moe_from_logits`` on CUDA) with a fake implementation, so torch.compile
+traces the model with each as one opaque node and the compiled graph calls the kit's code; the
+decisions that need Python (the tile height of a layer) are taken when the weights are loaded.
+
+What ran is recorded: each replacement counts its calls where its kernel runs, and with ``KIT_PLUGIN_REPORT=DIR`` every
 process writes ``DIR/plugin-<pid>.json`` (plain JSON: the platform, the replacements registered,
 the per-shape tile decisions and the call counters; rewritten at most every
 ``REPORT_INTERVAL_S`` seconds and at exit).  :func:`read_report` merges the files.  Nothing needs
@@ -55,6 +63,7 @@ import atexit
 import importlib.util
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -72,6 +81,26 @@ ENV_MOE = "KIT_MOE"
 #: Rows per GEMM tile on the CPU (``KIT_TILE_M`` overrides it).
 TILE_M = 16
 REPORT_INTERVAL_S = 1.0
+
+#: What the plugin puts in place of each batch-variant op of vLLM: ``(vLLM op, on the CPU (vLLM's
+#: CPU build), on CUDA)``.  Chapter 7 prints it.
+REPLACEMENT_TABLE = (
+    ("linear layers, lm_head",
+     "custom op cpu_linear = ops.fixed_shape.tiled_linear: GEMMs of TILE_M rows (dispatch_cpu_unquantized_gemm)",
+     "vLLM's batch-invariant GEMM (the plugin sets VLLM_BATCH_INVARIANT=1)"),
+    ("RMSNorm: plain, fused residual add, q/k norms",
+     "custom ops cpu_rms_norm, cpu_fused_add_rms_norm = ops.fixed_shape.rms_norm_fixed_tree (CustomOp.register_oot)",
+     "custom ops rms_norm, fused_add_rms_norm = ops.rms_norm, Triton (CustomOp.register_oot)"),
+    ("attention",
+     "VLLM_CPU_ATTN_SPLIT_KV=0: one KV order per query; with KIT_ATTENTION=1 the kit's backend over CPU_ATTN",
+     "the kit's backend (ops.attention) registered as CUSTOM; without it, vLLM's batch-invariant backend"),
+    ("MoE experts (unquantized)",
+     "custom op cpu_moe_experts = ops.fixed_shape.moe_experts_tiled (CustomOp.register_oot)",
+     "custom op moe_from_logits = ops.moe route, dispatch, grouped GEMM, combine, Triton (CustomOp.register_oot)"),
+    ("sampler: log_softmax, argmax",
+     "not replaced: one row at a time on the CPU",
+     "vLLM's batch-invariant log_softmax (VLLM_BATCH_INVARIANT=1)"),
+)
 
 #: Calls of each replacement in this process.
 CALLS: dict = {}
@@ -105,14 +134,28 @@ def tile_m(environ=None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def count(name: str) -> None:
+    """Count a plugin event outside the model's forward (a layer dispatched at load).  The
+    replacements that run in the forward are counted by their custom ops
+    (:data:`batch_invariance_kit.ops.custom_ops.CALLS`), where the kernel runs, so the count
+    holds in compiled mode too."""
     CALLS[name] = CALLS.get(name, 0) + 1
+    maybe_write_report()
+
+
+def maybe_write_report() -> None:
+    """Rewrite the report if ``KIT_PLUGIN_REPORT`` is set and the last write is older than
+    ``REPORT_INTERVAL_S``."""
     if os.environ.get(ENV_REPORT) and time.monotonic() - _STATE["last_write"] > REPORT_INTERVAL_S:
         write_report()
 
 
 def snapshot() -> dict:
+    calls = dict(CALLS)
+    ops = sys.modules.get(f"{__package__.rsplit('.', 1)[0]}.ops.custom_ops")
+    for k, v in (ops.CALLS.items() if ops is not None else ()):
+        calls[k] = calls.get(k, 0) + v
     return {"pid": os.getpid(), "platform": _STATE["platform"], "replacements": dict(REPLACEMENTS),
-            "tiles": dict(TILES), "calls": dict(CALLS)}
+            "tiles": dict(TILES), "calls": calls}
 
 
 def write_report() -> None:
@@ -151,125 +194,17 @@ def read_report(folder) -> dict:
 # CPU replacements: fixed-shape GEMM tiles and a fixed reduction tree
 # ---------------------------------------------------------------------------------------------
 
-def _check_2d_weight(weight: torch.Tensor) -> None:
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.ndim != 2:
-        raise ValueError(f"weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
-
-
-def tile_is_position_free(weight: torch.Tensor, tm: int, seed: int = 0) -> bool:
-    """Does a ``(tm, K) @ (K, N)`` GEMM give each row the same bits wherever it sits in the tile?
-
-    One random tile and its rows rotated by 1 and by ``tm // 2 + 1``: every output row must be
-    bitwise the row of the unrotated tile.  (The shape is fixed, so this is the only way the
-    batch could still reach a row's bits.)"""
-    _check_2d_weight(weight)
-    if tm == 1:
-        return True
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tm, weight.shape[1], generator=g).to(weight.dtype)
-    y = torch.mm(x, weight.t())
-    for shift in sorted({1, tm // 2 + 1}):
-        if not torch.equal(torch.mm(torch.roll(x, shift, 0), weight.t()), torch.roll(y, shift, 0)):
-            return False
-    return True
-
-
 def tile_for(weight: torch.Tensor) -> int:
-    """The tile height for this weight's shape and dtype (decided once, recorded in ``TILES``)."""
+    """The tile height for this weight's shape and dtype, decided once when the engine loads the
+    layer (:func:`~batch_invariance_kit.ops.fixed_shape.tile_is_position_free` on the present CPU)
+    and recorded in ``TILES``."""
+    from ..ops.fixed_shape import tile_is_position_free
+
     key = f"{weight.shape[0]}x{weight.shape[1]} {dtype_name(weight.dtype)}"
     if key not in TILES:
         tm = tile_m()
         TILES[key] = tm if tile_is_position_free(weight, tm) else 1
     return TILES[key]
-
-
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 tm: int | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` with every GEMM of shape ``(tm, K) @ (K, N)``, whatever ``x``'s rows.
-
-    ``x``: ``(..., K)``; ``weight``: ``(N, K)``; the bias is added afterwards (elementwise: no
-    reduction).  Rows are cut into tiles of ``tm`` (default :func:`tile_for`), the last tile
-    padded with zero rows; each output row depends only on its input row."""
-    _check_2d_weight(weight)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x's last dimension ({x.shape[-1]}) must equal weight's K ({weight.shape[1]})")
-    if x.dtype != weight.dtype:
-        raise TypeError(f"x ({x.dtype}) and weight ({weight.dtype}) must have one dtype")
-    tm = tile_for(weight) if tm is None else tm
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    m, n = x2.shape[0], weight.shape[0]
-    out = x2.new_empty(m, n)
-    wt = weight.t()
-    full = m - m % tm
-    for s in range(0, full, tm):
-        torch.mm(x2[s:s + tm], wt, out=out[s:s + tm])
-    if full < m:
-        pad = x2.new_zeros(tm, x2.shape[1])
-        pad[: m - full] = x2[full:]
-        out[full:] = torch.mm(pad, wt)[: m - full]
-    if bias is not None:
-        out = out + bias.to(out.dtype)
-    return out.reshape(*lead, n)
-
-
-def tree_sum_last(v: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dimension by a fixed pairwise tree of elementwise additions.
-
-    The row is padded with zeros to a power of two, then halved ``log2`` times (``v[..., :h] +
-    v[..., h:]``): every addition is one IEEE operation on two known operands, so a row's sum is
-    the same bits whatever other rows the tensor holds.  Returns ``(..., 1)``."""
-    n = v.shape[-1]
-    p = 1 << max(n - 1, 0).bit_length()
-    if p != n:
-        v = torch.nn.functional.pad(v, (0, p - n))
-    while v.shape[-1] > 1:
-        h = v.shape[-1] // 2
-        v = v[..., :h] + v[..., h:]
-    return v
-
-
-def rms_norm_fixed_tree(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                        residual: torch.Tensor | None = None):
-    """vLLM's RMSNorm semantics (fp32 math, residual added in fp32 and returned in ``x``'s
-    dtype) with the row's sum of squares taken by :func:`tree_sum_last`."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    orig = x.dtype
-    xf = x.to(torch.float32)
-    if residual is not None:
-        xf = xf + residual.to(torch.float32)
-        new_residual = xf.to(orig)
-    var = tree_sum_last(xf * xf) / x.shape[-1]
-    y = xf * torch.rsqrt(var + eps)
-    if weight is not None:
-        y = y.to(weight.dtype) * weight
-    y = y.to(orig)
-    return y if residual is None else (y, new_residual)
-
-
-def moe_experts_tiled(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor) -> torch.Tensor:
-    """Experts of a top-k MoE, one fixed-shape path: for each expert, its tokens' rows through
-    :func:`tiled_linear` with ``w13[e]`` (gate rows then up rows), SiLU(gate) * up, then
-    ``w2[e]``; a token's output is the sum over its k choices in rank order, in fp32, weighted by
-    ``topk_weights``.  No reduction crosses tokens."""
-    T, k = topk_ids.shape
-    out = torch.zeros(T, w2.shape[1], dtype=torch.float32)
-    ys = torch.zeros(T, k, w2.shape[1], dtype=torch.float32)
-    for e in torch.unique(topk_ids).tolist():
-        tok, rank = (topk_ids == e).nonzero(as_tuple=True)
-        h = tiled_linear(x[tok], w13[e])
-        inter = h.shape[-1] // 2
-        a = torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()
-        ys[tok, rank] = tiled_linear(a.to(x.dtype), w2[e]).float()
-    for r in range(k):
-        out = out + ys[:, r] * topk_weights[:, r:r + 1].float()
-    return out.to(x.dtype)
 
 
 ATTENTION_BACKEND = f"{__package__}.attention_backend.KitAttentionBackend"
@@ -284,38 +219,41 @@ def _register_cpu() -> None:
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.layernorm import RMSNorm
 
+    from ..ops import custom_ops as OPS
+
     original = vutils.dispatch_cpu_unquantized_gemm
 
     def kit_dispatch_cpu_unquantized_gemm(layer, remove_weight):
         weight = getattr(layer, "weight", None)
         if weight is None or weight.is_meta or weight.ndim != 2:
             return original(layer, remove_weight)  # not a linear layer (conv, 3-D experts)
-        tile_for(weight.data)
+        tm = tile_for(weight.data)
 
         def cpu_linear(x, w, bias):
-            count("linear")
-            return tiled_linear(x, w, bias)
+            return OPS.cpu_linear(x, w, bias, tm)
 
         layer.cpu_linear = cpu_linear
         count("linear_layers_dispatched")
 
     vutils.dispatch_cpu_unquantized_gemm = kit_dispatch_cpu_unquantized_gemm
-    REPLACEMENTS["linear"] = (f"every 2-D linear layer and the lm_head: tiled_linear (GEMMs of {tile_m()} rows, "
-                              "the shape fixed per layer)")
+    REPLACEMENTS["linear"] = (f"every 2-D linear layer and the lm_head: {OPS.NAMESPACE}::cpu_linear = "
+                              f"fixed_shape.tiled_linear (GEMMs of {tile_m()} rows, the shape fixed per layer)")
 
     class KitRMSNorm(RMSNorm):
         def forward(self, x, residual=None):
-            count("rms_norm" if residual is None else "fused_add_rms_norm")
             if self.variance_size_override is not None:
                 raise NotImplementedError("the kit's RMSNorm does not support var_hidden_size")
-            w = self.weight.data if self.has_weight else None
-            return rms_norm_fixed_tree(x, w, self.variance_epsilon, residual)
+            w = self.weight if self.has_weight else None
+            if residual is None:
+                return OPS.cpu_rms_norm(x, w, self.variance_epsilon)
+            return OPS.cpu_fused_add_rms_norm(x, residual, w, self.variance_epsilon)
 
         forward_native = forward
         forward_cpu = forward
 
     CustomOp.register_oot(KitRMSNorm, name="RMSNorm")
-    REPLACEMENTS["RMSNorm"] = "KitRMSNorm: rms_norm_fixed_tree (a fixed pairwise fp32 tree per row)"
+    REPLACEMENTS["RMSNorm"] = (f"KitRMSNorm: {OPS.NAMESPACE}::cpu_rms_norm / cpu_fused_add_rms_norm = "
+                               "fixed_shape.rms_norm_fixed_tree (a fixed pairwise fp32 tree per row)")
 
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
     REPLACEMENTS["attention_split_kv"] = "VLLM_CPU_ATTN_SPLIT_KV=0 (no batch-chosen KV splits)"
@@ -330,14 +268,20 @@ def _register_cpu() -> None:
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     class KitCPUMoEMethod(UnquantizedFusedMoEMethod):
+        def process_weights_after_loading(self, layer):
+            super().process_weights_after_loading(layer)
+            # tile heights decided at load, outside any traced code
+            layer.kit_tiles = (tile_for(layer.w13_weight.data[0]), tile_for(layer.w2_weight.data[0]))
+
         def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
             if shared_experts is not None or getattr(layer, "expert_map", None) is not None:
                 raise NotImplementedError("the kit's CPU MoE supports neither shared experts nor expert maps")
-            count("moe")
-            return moe_experts_tiled(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+            tm13, tm2 = layer.kit_tiles
+            return OPS.cpu_moe_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, tm13, tm2)
 
     CustomOp.register_oot(KitCPUMoEMethod, name="UnquantizedFusedMoEMethod")
-    REPLACEMENTS["moe"] = "KitCPUMoEMethod: moe_experts_tiled (tiled expert GEMMs, rank-ordered fp32 combine)"
+    REPLACEMENTS["moe"] = (f"KitCPUMoEMethod: {OPS.NAMESPACE}::cpu_moe_experts = fixed_shape.moe_experts_tiled "
+                           "(tiled expert GEMMs, rank-ordered fp32 combine)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,22 +292,16 @@ def kit_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, resi
     """vLLM's ``RMSNorm.forward`` contract on the kit's Triton kernels: ``x`` of any shape
     ``(..., H)`` (Qwen3's q/k norms pass a strided ``(T, heads, head_dim)`` view), returns ``out``
     shaped like ``x``, or ``(out, x + residual)`` when a residual is given.  Rows are flattened and
-    copied when needed, the weight cast to ``x``'s dtype if it differs (counted as
-    ``weight_casts``).  The kernels are called through their torch custom ops
-    (:mod:`batch_invariance_kit.ops.custom_ops`), so torch.compile sees one opaque node each."""
+    copied when needed, the weight cast to ``x``'s dtype if it differs.  The kernels are called
+    through their torch custom ops (:mod:`batch_invariance_kit.ops.custom_ops`), so torch.compile
+    sees one opaque node each (and the ops count their calls)."""
     from ..ops import custom_ops as OPS
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
-    w = weight
-    if w.dtype != x.dtype:
-        count("weight_casts")
-        w = w.to(x.dtype)
-    w = w.contiguous()
+    w = (weight if weight.dtype == x.dtype else weight.to(x.dtype)).contiguous()
     if residual is None:
-        count("rms_norm")
         return OPS.rms_norm(x2, w, float(eps)).view(shape)
-    count("fused_add_rms_norm")
     r2 = residual.reshape(-1, shape[-1]).contiguous()
     out, z = OPS.fused_add_rms_norm(x2, r2, w, float(eps))
     return out.view(shape), z.view(residual.shape)
@@ -371,22 +309,12 @@ def kit_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, resi
 
 def kit_moe_from_logits(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         top_k: int, renormalize: bool) -> torch.Tensor:
-    """The kit's MoE from given router logits (vLLM computes them with its gate linear):
-    :func:`batch_invariance_kit.ops.moe.route`, ``dispatch``, ``grouped_gemm`` (gate/up +
-    SiLU-and-mul, then down), ``combine``.  Layouts are vLLM's: ``w13`` ``(E, 2I, H)`` gate rows
-    then up rows, ``w2`` ``(E, H, I)``."""
-    from ..ops import moe as MOE
+    """The kit's MoE from vLLM's router logits: the custom op
+    :func:`batch_invariance_kit.ops.custom_ops.moe_from_logits` (route, dispatch, grouped GEMM,
+    combine of :mod:`batch_invariance_kit.ops.moe`)."""
+    from ..ops import custom_ops as OPS
 
-    count("moe")
-    x = x.contiguous()
-    logits = router_logits.contiguous()
-    T, E = x.shape[0], w13.shape[0]
-    weights, ids = MOE.route(logits, top_k, scoring="softmax", renormalize=renormalize, impl="invariant")
-    cfg = MOE.select_config(T, top_k, E, x.dtype, "invariant")
-    disp = MOE.dispatch(ids, E, cfg.block_m, validate=False)  # no host sync (CUDA-graph safe)
-    h = MOE.grouped_gemm(x, w13, disp, activation="silu_mul", gather_tokens=True, impl="invariant", config=cfg)
-    y = MOE.grouped_gemm(h, w2, disp, impl="invariant", config=cfg)
-    return MOE.combine(y, weights)
+    return OPS.moe_from_logits(x, router_logits, w13, w2, int(top_k), bool(renormalize))
 
 
 def _register_cuda() -> None:
@@ -401,10 +329,11 @@ def _register_cuda() -> None:
 
     class KitRMSNorm(RMSNorm):
         def forward(self, x, residual=None):
-            if self.variance_size_override is not None or not self.has_weight:
-                count("rms_norm_fallback")
-                return super().forward(x, residual)
-            return kit_rms_norm_forward(x, self.weight.data, self.variance_epsilon, residual)
+            if self.variance_size_override is not None:
+                raise NotImplementedError("the kit's RMSNorm does not support var_hidden_size")
+            # a norm without weight: times ones (exact), the same kernel
+            w = self.weight if self.has_weight else torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+            return kit_rms_norm_forward(x, w, self.variance_epsilon, residual)
 
         forward_native = forward
         forward_cuda = forward
@@ -473,5 +402,8 @@ def register() -> None:
         raise RuntimeError(f"{ENV_SWITCH}=1: the kit's vLLM plugin supports the CPU and CUDA platforms, "
                            f"not {current_platform.device_name!r}")
     if os.environ.get(ENV_REPORT):
+        from ..ops import custom_ops
+
+        custom_ops.ON_CALL.append(maybe_write_report)
         write_report()
         atexit.register(write_report)

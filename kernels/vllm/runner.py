@@ -62,8 +62,10 @@ def mode_env(mode: str, base: dict | None = None) -> dict:
 
 def make_spec(targets: list, fillers: list, *, max_tokens: int, filler_max_tokens=None, orders=(0,), batches=None,
               decode_vs_prefill: int = 1, dtype: str = "bfloat16", max_model_len: int = 1024,
-              max_num_batched_tokens: int = 4096, eager: bool = True, kv_cache_gib: float = 1.0) -> dict:
-    """Check and bundle an experiment.  ``targets``/``fillers``: lists of token-id lists."""
+              max_num_batched_tokens: int = 4096, eager: bool = False, kv_cache_gib: float = 1.0) -> dict:
+    """Check and bundle an experiment.  ``targets``/``fillers``: lists of token-id lists.
+    ``eager=False``: every mode compiled, as vLLM ships (torch.compile; CUDA graphs on a GPU);
+    ``eager=True``: ``enforce_eager=True`` for every mode."""
     for name, group in (("targets", targets), ("fillers", fillers)):
         if not isinstance(group, (list, tuple)) or not all(
                 isinstance(p, (list, tuple)) and p and all(isinstance(t, int) for t in p) for p in group):
@@ -134,6 +136,10 @@ def run_worker(model: str, spec: dict, out: str) -> int:
         doc["init_s"] = time.time() - t0
         # what the engine saw once built (the kit's plugin sets VLLM_CPU_ATTN_SPLIT_KV itself)
         doc["engine_env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_ATTN_SPLIT_KV", "VLLM_BATCH_INVARIANT")}
+        vc = llm.llm_engine.vllm_config
+        doc["engine"] = {"enforce_eager": bool(vc.model_config.enforce_eager),
+                         "compilation_mode": int(vc.compilation_config.mode),  # 0: none, 3: vLLM's compile
+                         "cudagraph_mode": str(vc.compilation_config.cudagraph_mode)}
     except Exception:
         doc["error"] = traceback.format_exc()
         doc["init_s"] = time.time() - t0
