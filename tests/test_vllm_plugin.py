@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from batch_invariance_kit.ops import fixed_shape as FS
+from batch_invariance_kit.verify.harness import bitwise_equal
 from batch_invariance_kit.vllm import plugin as P
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,9 +22,10 @@ HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u, sy
 
 
 def rows_alone_vs_batch(f, x: torch.Tensor) -> list:
-    """Row indices whose ``f(batch)`` bits differ from ``f(row alone)``."""
+    """Row indices whose ``f(batch)`` bits differ from ``f(row alone)`` (compared as bits: a NaN
+    equals the same NaN, -0.0 differs from 0.0)."""
     whole = f(x)
-    return [i for i in range(x.shape[0]) if not torch.equal(f(x[i:i + 1])[0], whole[i])]
+    return [i for i in range(x.shape[0]) if not bitwise_equal(f(x[i:i + 1])[0], whole[i])]
 
 
 def tiled(x, w, bias=None):
@@ -104,7 +106,7 @@ def test_rms_norm_fixed_tree(dtype):
     both = FS.rms_norm_fixed_tree(x, w, 1e-5, r)
     for i in (0, 7, 299):
         one = FS.rms_norm_fixed_tree(x[i:i + 1], w, 1e-5, r[i:i + 1])
-        assert torch.equal(one[0][0], both[0][i]) and torch.equal(one[1][0], both[1][i])
+        assert bitwise_equal(one[0][0], both[0][i]) and bitwise_equal(one[1][0], both[1][i])
     # vLLM's semantics: the residual sum (rounded to dtype) and the normalized sum
     s = x.double() + r.double()
     ref = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
@@ -124,7 +126,7 @@ def test_moe_experts_tiled_alone_equals_batch():
     tw = tw / tw.sum(-1, keepdim=True)
     out = moe_tiled(x, w13, w2, tw, ti)
     for i in range(T):
-        assert torch.equal(moe_tiled(x[i:i + 1], w13, w2, tw[i:i + 1], ti[i:i + 1])[0], out[i])
+        assert bitwise_equal(moe_tiled(x[i:i + 1], w13, w2, tw[i:i + 1], ti[i:i + 1])[0], out[i])
     # against a float64 reference
     ref = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
@@ -173,7 +175,7 @@ def test_the_same_check_catches_split_k_experts(monkeypatch):
 
     def differing():
         whole = moe(x, slice(None))
-        return [i for i in range(T) if not torch.equal(moe(x[i:i + 1], slice(i, i + 1))[0], whole[i])]
+        return [i for i in range(T) if not bitwise_equal(moe(x[i:i + 1], slice(i, i + 1))[0], whole[i])]
 
     assert differing() == []
     monkeypatch.setattr(FS, "tiled_linear", lambda t, w, bias=None, tm=None: split_k_linear(t, w))
@@ -276,3 +278,48 @@ print(json.dumps(out))
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["kit"] == [] and got["vllm"] != [], got
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM's CPU build is not installed (bash tools/kit.sh installs it)")
+def test_cuda_linear_layers_become_the_kits_matmul():
+    """The CUDA replacement of linear layers and the lm_head (``register_linear_layers``), built
+    here in vLLM's CPU build: vLLM's pluggable linear and lm_head classes instantiate the plugin's
+    subclasses, whose unquantized method runs the kit's matmul custom op (the Triton interpreter
+    here): the same bits as ``ops.matmul.linear``, counted as ``linear``."""
+    code = r"""
+import json, tempfile, torch
+from batch_invariance_kit.vllm import plugin as P
+from batch_invariance_kit.ops import custom_ops as OPS, matmul as MM
+names = P.register_linear_layers()
+import vllm.model_executor.layers.linear as L
+import vllm.model_executor.layers.vocab_parallel_embedding as V
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"file://{tempfile.mktemp()}")
+    initialize_model_parallel(1, 1)
+    layers = {"row": L.RowParallelLinear(64, 32, bias=True, params_dtype=torch.float32),
+              "qkv": L.QKVParallelLinear(64, 16, 4, 2, bias=False, params_dtype=torch.float32),
+              "head": V.ParallelLMHead(100, 64, params_dtype=torch.float32)}
+g = torch.Generator().manual_seed(0)
+for m in layers.values():
+    for p in m.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g))
+x = torch.randn(7, 64, generator=g)
+before = OPS.CALLS["linear"]
+row, _ = layers["row"](x)
+qkv, _ = layers["qkv"](x)
+head = layers["head"].quant_method.apply(layers["head"], x)
+same = [torch.equal(row, MM.linear(x, layers["row"].weight, layers["row"].bias)),
+        torch.equal(qkv, MM.linear(x, layers["qkv"].weight)),
+        torch.equal(head, MM.linear(x, layers["head"].weight))]
+print(json.dumps({"names": names, "methods": sorted({type(m.quant_method).__name__ for m in layers.values()}),
+                  "same": same, "calls": OPS.CALLS["linear"] - before}))
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"QKVParallelLinear", "RowParallelLinear", "ParallelLMHead", "VocabParallelEmbedding"} <= set(got["names"])
+    assert got["methods"] == ["KitEmbeddingMethod", "KitLinearMethod"]
+    assert got["same"] == [True, True, True] and got["calls"] == 3

@@ -35,13 +35,16 @@ CPU (vLLM's CPU build)
       feed it.
 
 CUDA (vLLM 0.26)
-    The kit's Triton kernels: every ``RMSNorm`` runs :mod:`batch_invariance_kit.ops.rms_norm`
-    (through the torch custom ops of :mod:`batch_invariance_kit.ops.custom_ops`, with fake
-    implementations, so torch.compile sees opaque ops), the unquantized MoE method runs
-    :mod:`batch_invariance_kit.ops.moe` from vLLM's router logits.  Linear layers and attention are
-    vLLM's own batch-invariant ones: the plugin sets ``VLLM_BATCH_INVARIANT=1``.  The kit's
+    The kit's Triton kernels, through the torch custom ops of
+    :mod:`batch_invariance_kit.ops.custom_ops`: every ``RMSNorm`` runs
+    :mod:`batch_invariance_kit.ops.rms_norm`; every unquantized linear layer and the lm_head run
+    :func:`batch_invariance_kit.ops.matmul.linear` (:func:`register_linear_layers`: vLLM's linear
+    and embedding classes are pluggable layers; ``KIT_LINEAR=0`` keeps vLLM's); the unquantized
+    MoE method runs :mod:`batch_invariance_kit.ops.moe` from vLLM's router logits.  The kit's
     attention backend, when present and ``KIT_ATTENTION`` is not ``0``, is registered as vLLM's
-    ``CUSTOM`` backend (chosen with ``attention_config={"backend": "CUSTOM"}``).
+    ``CUSTOM`` backend (chosen with ``attention_config={"backend": "CUSTOM"}``).  The plugin sets
+    ``VLLM_BATCH_INVARIANT=1`` unless the caller set it: vLLM's own mode then covers the sampler's
+    ``log_softmax`` and, when another attention backend is chosen, attention.
 
 Compiled mode (vLLM's default: torch.compile, and CUDA graphs on a GPU) and eager mode
 (``enforce_eager=True``) run the same replacements: everything that runs in the model's forward
@@ -76,6 +79,8 @@ ENV_SWITCH = "KIT_BATCH_INVARIANT"
 ENV_REPORT = "KIT_PLUGIN_REPORT"
 ENV_ATTENTION = "KIT_ATTENTION"
 ENV_TILE_M = "KIT_TILE_M"
+#: ``KIT_LINEAR=0`` leaves vLLM's linear layers in place on CUDA (vLLM's batch-invariant GEMM).
+ENV_LINEAR = "KIT_LINEAR"
 #: ``KIT_MOE=0`` leaves vLLM's MoE method in place (the other replacements still apply).
 ENV_MOE = "KIT_MOE"
 #: Rows per GEMM tile on the CPU (``KIT_TILE_M`` overrides it).
@@ -87,7 +92,8 @@ REPORT_INTERVAL_S = 1.0
 REPLACEMENT_TABLE = (
     ("linear layers, lm_head",
      "custom op cpu_linear = ops.fixed_shape.tiled_linear: GEMMs of TILE_M rows (dispatch_cpu_unquantized_gemm)",
-     "vLLM's batch-invariant GEMM (the plugin sets VLLM_BATCH_INVARIANT=1)"),
+     "custom op linear = ops.matmul.linear, Triton (PluggableLayer.register_oot of vLLM's linear and lm_head "
+     "classes)"),
     ("RMSNorm: plain, fused residual add, q/k norms",
      "custom ops cpu_rms_norm, cpu_fused_add_rms_norm = ops.fixed_shape.rms_norm_fixed_tree (CustomOp.register_oot)",
      "custom ops rms_norm, fused_add_rms_norm = ops.rms_norm, Triton (CustomOp.register_oot)"),
@@ -324,8 +330,12 @@ def _register_cuda() -> None:
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
-    REPLACEMENTS["linear_attention"] = "vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1)"
+    REPLACEMENTS["sampler_attention"] = ("vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1): the sampler's "
+                                         "log_softmax, and attention unless the kit's backend is selected")
     from ..ops import custom_ops  # noqa: F401  (registers the kit's custom ops before vLLM compiles)
+
+    if os.environ.get(ENV_LINEAR, "1") != "0":
+        register_linear_layers()
 
     class KitRMSNorm(RMSNorm):
         def forward(self, x, residual=None):
@@ -349,6 +359,57 @@ def _register_cuda() -> None:
         register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
         REPLACEMENTS["attention"] = (f"{ATTENTION_BACKEND} registered as CUSTOM "
                                      "(selected with attention_config={'backend': 'CUSTOM'})")
+
+
+def register_linear_layers() -> list:
+    """Every unquantized linear layer and the lm_head on the kit's matmul (CUDA).
+
+    vLLM's linear classes (``ReplicatedLinear``, ``ColumnParallelLinear``,
+    ``MergedColumnParallelLinear``, ``QKVParallelLinear``, ``RowParallelLinear``) and its
+    embedding/lm_head classes (``VocabParallelEmbedding``, ``ParallelLMHead``) are *pluggable
+    layers*: ``PluggableLayer.register_oot`` puts a subclass in place of each, by class name.  The
+    subclass builds the layer as vLLM does, then, if its method is vLLM's unquantized one, gives
+    it the kit's (same weights, same loading; ``apply`` runs the custom op
+    :func:`batch_invariance_kit.ops.custom_ops.linear`, i.e. :func:`batch_invariance_kit.ops.matmul.linear`).
+    Quantized layers keep their own method.  Returns the class names registered."""
+    import vllm.model_executor.layers.linear as L
+    import vllm.model_executor.layers.vocab_parallel_embedding as V
+    from vllm.model_executor.custom_op import PluggableLayer
+
+    from ..ops import custom_ops as OPS
+
+    class KitLinearMethod(L.UnquantizedLinearMethod):
+        def apply(self, layer, x, bias=None):
+            return OPS.linear(x, layer.weight, bias)
+
+    class KitEmbeddingMethod(V.UnquantizedEmbeddingMethod):
+        def apply(self, layer, x, bias=None):
+            return OPS.linear(x, layer.weight, bias)
+
+    def swapped(base, unquantized, kit):
+        def __init__(self, *args, **kwargs):
+            base.__init__(self, *args, **kwargs)
+            if type(self.quant_method) is unquantized:
+                self.quant_method = kit()
+
+        # the same class name: vLLM finds the replacement by the name of the class it instantiates
+        return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__,
+                                             "__qualname__": f"kit.{base.__name__}"})
+
+    names = []
+    for module, unquantized, kit, classes in (
+            (L, L.UnquantizedLinearMethod, KitLinearMethod,
+             ("ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
+              "RowParallelLinear")),
+            (V, V.UnquantizedEmbeddingMethod, KitEmbeddingMethod, ("VocabParallelEmbedding", "ParallelLMHead"))):
+        for name in classes:
+            base = getattr(module, name, None)
+            if base is not None:
+                PluggableLayer.register_oot(swapped(base, unquantized, kit), name=name)
+                names.append(name)
+    REPLACEMENTS["linear"] = (f"{', '.join(names)}: PluggableLayer.register_oot; unquantized layers run "
+                              f"{OPS.NAMESPACE}::linear = ops.matmul.linear (Triton)")
+    return names
 
 
 def _register_cuda_moe() -> None:
