@@ -20,6 +20,8 @@ import math
 
 import matplotlib as mpl
 import matplotlib.pyplot as plt
+import numpy as np
+import torch
 
 from . import cost
 
@@ -285,4 +287,95 @@ def engine_bars(e2e: dict | None, vllm: dict | None):
     for a in axes:
         a.grid(axis="y")
         a.set_ylim(top=a.get_ylim()[1] * 1.3)  # room for the legend above the bars
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# What invariance buys (chapter 9): RL and speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+def sampler_trainer_figure(runs: list):
+    """Two panels for :func:`batch_invariance_kit.serving.rl.sampler_vs_trainer` results (variant and invariant runs at several
+    loads): the distribution of per-token ``|log p_sampler - log p_trainer|`` of the variant
+    runs, and the mean per-token KL against the load (mean sequences per step of the rollouts).
+    Exact zeros are drawn on a dotted floor line (a log axis has no 0)."""
+    floor = 1e-12
+    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.2))
+    var = [r for r in runs if r["impl"] == "variant"]
+    d = torch.cat([r["logprob_diff"].abs() for r in var]).numpy()
+    nz = d[d > 0]
+    if len(nz):
+        bins = np.logspace(np.log10(nz.min()) - 0.2, np.log10(nz.max()) + 0.2, 20)
+        axes[0].hist(nz, bins=bins, color=COLORS["variant"], alpha=0.8, label=f"variant: {len(nz)} of {len(d)} tokens")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("|Δ log-prob| of the sampled token")
+    axes[0].set_ylabel("tokens")
+    inv = [r for r in runs if r["impl"] == "invariant"]
+    if inv:
+        n0 = sum(int((r["logprob_diff"] == 0).sum()) for r in inv)
+        axes[0].set_title(f"sampler vs trainer (invariant: Δ = 0 for {n0} of "
+                          f"{sum(len(r['logprob_diff']) for r in inv)} tokens)", fontsize=9)
+    axes[0].legend(fontsize=8)
+    for impl in ("variant", "invariant"):
+        rs = sorted((r for r in runs if r["impl"] == impl), key=lambda r: r["mean_seqs_per_step"])
+        if not rs:
+            continue
+        x = [r["mean_seqs_per_step"] for r in rs]
+        y = [float(r["kl"].mean()) for r in rs]
+        axes[1].plot(x, [v if v > 0 else floor for v in y], "o-" if impl == "variant" else "s--",
+                     color=COLORS[impl], label=impl)
+    axes[1].axhline(floor, color="k", ls=":", lw=0.8)
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("load: sequences per step (mean over the rollouts' steps)")
+    axes[1].set_ylabel("mean KL per token")
+    axes[1].set_title("KL(sampler || trainer) vs load (dotted: exactly 0)", fontsize=9)
+    axes[1].legend(fontsize=8)
+    return fig
+
+
+def ratio_figure(histories: dict):
+    """Histogram of every token's log importance ratio ``log p_trainer - log p_sampler`` over
+    the steps of :func:`batch_invariance_kit.serving.rl.policy_gradient`, one colour per kernel set (``{impl: history}``)."""
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    logs = {impl: torch.log(torch.cat([h["ratios"] for h in hist])).numpy() for impl, hist in histories.items()}
+    span = max(float(np.abs(v).max()) for v in logs.values()) or 1.0
+    bins = np.linspace(-span * 1.05, span * 1.05, 41)
+    for impl, v in logs.items():
+        exact = int((v == 0).sum())
+        ax.hist(v, bins=bins, color=COLORS.get(impl, "k"), alpha=0.6,
+                label=f"{impl}: ratio exactly 1 for {exact} of {len(v)} tokens")
+    ax.set_xlabel("log importance ratio  log p_trainer − log p_sampler")
+    ax.set_ylabel("tokens")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def speculation_figure(runs: dict):
+    """Bars for serving runs of the same requests, ``{label: {"steps", "seconds", "drafted",
+    "accepted"}}`` (plain decoding: ``drafted = 0``): engine steps and wall seconds, and the
+    acceptance rate of the speculative runs."""
+
+    labels = list(runs)
+    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.2))
+    x = range(len(labels))
+    axes[0].bar([i - 0.2 for i in x], [runs[k]["steps"] for k in labels], 0.4, color=COLORS["invariant"],
+                label="engine steps")
+    ax2 = axes[0].twinx()
+    ax2.bar([i + 0.2 for i in x], [runs[k]["seconds"] for k in labels], 0.4, color=COLORS["peer"],
+            label="wall seconds")
+    ax2.set_ylabel("seconds")
+    axes[0].set_xticks(list(x), labels, fontsize=8, rotation=20, ha="right")
+    axes[0].set_ylabel("steps")
+    axes[0].set_title("serving the same requests", fontsize=9)
+    h1, l1 = axes[0].get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    axes[0].legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+    spec = [k for k in labels if runs[k]["drafted"]]
+    axes[1].bar(range(len(spec)), [runs[k]["accepted"] / runs[k]["drafted"] for k in spec], 0.5,
+                color=COLORS["invariant"])
+    axes[1].set_xticks(range(len(spec)), spec, fontsize=8, rotation=20, ha="right")
+    axes[1].set_ylim(0, 1)
+    axes[1].set_ylabel("accepted / drafted")
+    axes[1].set_title("acceptance rate of the drafts", fontsize=9)
     return fig

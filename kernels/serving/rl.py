@@ -31,7 +31,7 @@ from .engine import Engine, Request, _randint, step_batch, with_random_load
 from .model import Qwen3Model
 
 __all__ = ["trainer_logprobs", "row_kl", "load_requests", "sampler_vs_trainer", "even_token_reward",
-           "policy_gradient", "sampler_trainer_figure", "ratio_figure"]
+           "policy_gradient"]
 
 
 def _pack(lengths: list, max_num_tokens: int) -> list:
@@ -212,68 +212,3 @@ def policy_gradient(model: Qwen3Model, prompts: list, *, impl="invariant", steps
         history.append({"step": step, "ratios": torch.cat(ratios), "mean_reward": float(rewards.mean()),
                         "grad_norm": float(grad.norm())})
     return history
-
-
-def sampler_trainer_figure(runs: list):
-    """Two panels for :func:`sampler_vs_trainer` results (variant and invariant runs at several
-    loads): the distribution of per-token ``|log p_sampler - log p_trainer|`` of the variant
-    runs, and the mean per-token KL against the load (mean sequences per step of the rollouts).
-    Exact zeros are drawn on a dotted floor line (a log axis has no 0)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from ..report.plots import COLORS, WIDTH
-    floor = 1e-12
-    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.2))
-    var = [r for r in runs if r["impl"] == "variant"]
-    d = torch.cat([r["logprob_diff"].abs() for r in var]).numpy()
-    nz = d[d > 0]
-    if len(nz):
-        bins = np.logspace(np.log10(nz.min()) - 0.2, np.log10(nz.max()) + 0.2, 20)
-        axes[0].hist(nz, bins=bins, color=COLORS["variant"], alpha=0.8, label=f"variant: {len(nz)} of {len(d)} tokens")
-    axes[0].set_xscale("log")
-    axes[0].set_xlabel("|Δ log-prob| of the sampled token")
-    axes[0].set_ylabel("tokens")
-    inv = [r for r in runs if r["impl"] == "invariant"]
-    if inv:
-        n0 = sum(int((r["logprob_diff"] == 0).sum()) for r in inv)
-        axes[0].set_title(f"sampler vs trainer (invariant: Δ = 0 for {n0} of "
-                          f"{sum(len(r['logprob_diff']) for r in inv)} tokens)", fontsize=9)
-    axes[0].legend(fontsize=8)
-    for impl in ("variant", "invariant"):
-        rs = sorted((r for r in runs if r["impl"] == impl), key=lambda r: r["mean_seqs_per_step"])
-        if not rs:
-            continue
-        x = [r["mean_seqs_per_step"] for r in rs]
-        y = [float(r["kl"].mean()) for r in rs]
-        axes[1].plot(x, [v if v > 0 else floor for v in y], "o-" if impl == "variant" else "s--",
-                     color=COLORS[impl], label=impl)
-    axes[1].axhline(floor, color="k", ls=":", lw=0.8)
-    axes[1].set_yscale("log")
-    axes[1].set_xlabel("load: sequences per step (mean over the rollouts' steps)")
-    axes[1].set_ylabel("mean KL per token")
-    axes[1].set_title("KL(sampler || trainer) vs load (dotted: exactly 0)", fontsize=9)
-    axes[1].legend(fontsize=8)
-    return fig
-
-
-def ratio_figure(histories: dict):
-    """Histogram of every token's log importance ratio ``log p_trainer - log p_sampler`` over
-    the steps of :func:`policy_gradient`, one colour per kernel set (``{impl: history}``)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from ..report.plots import COLORS, WIDTH
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
-    logs = {impl: torch.log(torch.cat([h["ratios"] for h in hist])).numpy() for impl, hist in histories.items()}
-    span = max(float(np.abs(v).max()) for v in logs.values()) or 1.0
-    bins = np.linspace(-span * 1.05, span * 1.05, 41)
-    for impl, v in logs.items():
-        exact = int((v == 0).sum())
-        ax.hist(v, bins=bins, color=COLORS.get(impl, "k"), alpha=0.6,
-                label=f"{impl}: ratio exactly 1 for {exact} of {len(v)} tokens")
-    ax.set_xlabel("log importance ratio  log p_trainer − log p_sampler")
-    ax.set_ylabel("tokens")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    return fig

@@ -24,7 +24,7 @@ import time
 
 from .engine import Engine, completion_key
 
-__all__ = ["NgramDrafter", "ReferenceDrafter", "compare_with_plain", "speculation_figure"]
+__all__ = ["NgramDrafter", "ReferenceDrafter", "compare_with_plain"]
 
 
 class NgramDrafter:
@@ -112,35 +112,3 @@ def compare_with_plain(model, requests: list, *, ks=(1, 2, 4), drafter=None, imp
         r["acceptance"] = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
         res[k] = r
     return res
-
-
-def speculation_figure(runs: dict):
-    """Bars for serving runs of the same requests, ``{label: {"steps", "seconds", "drafted",
-    "accepted"}}`` (plain decoding: ``drafted = 0``): engine steps and wall seconds, and the
-    acceptance rate of the speculative runs."""
-    import matplotlib.pyplot as plt
-
-    from ..report.plots import COLORS, WIDTH
-    labels = list(runs)
-    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.2))
-    x = range(len(labels))
-    axes[0].bar([i - 0.2 for i in x], [runs[k]["steps"] for k in labels], 0.4, color=COLORS["invariant"],
-                label="engine steps")
-    ax2 = axes[0].twinx()
-    ax2.bar([i + 0.2 for i in x], [runs[k]["seconds"] for k in labels], 0.4, color=COLORS["peer"],
-            label="wall seconds")
-    ax2.set_ylabel("seconds")
-    axes[0].set_xticks(list(x), labels, fontsize=8, rotation=20, ha="right")
-    axes[0].set_ylabel("steps")
-    axes[0].set_title("serving the same requests", fontsize=9)
-    h1, l1 = axes[0].get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    axes[0].legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
-    spec = [k for k in labels if runs[k]["drafted"]]
-    axes[1].bar(range(len(spec)), [runs[k]["accepted"] / runs[k]["drafted"] for k in spec], 0.5,
-                color=COLORS["invariant"])
-    axes[1].set_xticks(range(len(spec)), spec, fontsize=8, rotation=20, ha="right")
-    axes[1].set_ylim(0, 1)
-    axes[1].set_ylabel("accepted / drafted")
-    axes[1].set_title("acceptance rate of the drafts", fontsize=9)
-    return fig
