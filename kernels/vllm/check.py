@@ -137,7 +137,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default="FLASH_ATTN", help=f"one of {list(ATTENTION_BACKENDS)}")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--kit-eager", action="store_true",
-                   help="kit mode with enforce_eager=True (default: torch.compile + CUDA graphs, like vLLM's default)")
+                   help="kit mode with enforce_eager=True (default: torch.compile + CUDA graphs, like vLLM's default); "
+                        "with --model, every mode eager")
     p.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")
     # internal: the subprocesses
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -844,6 +845,7 @@ def run_user_model(a: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available()
     platform = "cuda" if gpu else "cpu"
     spec = user_spec(a.model, gpu=gpu, quick=a.quick)
+    spec["eager"] = bool(a.kit_eager)  # every mode alike: the modes differ only in the switch
     t0 = time.time()
     docs = {}
     for mode in a.modes:
@@ -856,7 +858,7 @@ def run_user_model(a: argparse.Namespace) -> int:
     version = next((d.get("vllm") for d in docs.values() if d.get("vllm")), "?")
     rows, checks = user_checks(docs, platform)
     extra = {"plan": {"model": os.path.abspath(a.model), "modes": a.modes, "platform": platform,
-                      "batches": spec["batches"], "max_tokens": spec["max_tokens"],
+                      "batches": spec["batches"], "max_tokens": spec["max_tokens"], "eager": spec["eager"],
                       "targets": [len(t) for t in spec["targets"]], "fillers": len(spec["fillers"])}}
     results.save("vllm_check_model", rows, checks, folder=Path(a.out), extra=extra,
                  command="python -m batch_invariance_kit.vllm.check " + " ".join(sys.argv[1:]))
