@@ -162,7 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not (isinstance(a.budget_s, float) and math.isfinite(a.budget_s) and a.budget_s > 0):
         raise ValueError(f"--budget-s must be a positive number of seconds, got {a.budget_s!r}")
     a.kit_compiled = not a.kit_eager
-    if a.attention_backend == "CUSTOM" and a.model is None and a.modes != ["kit"]:
+    if a.attention_backend == "CUSTOM" and a.model is None and not a.worker and a.modes != ["kit"]:
         raise ValueError("--attention-backend CUSTOM (the kit's attention, registered by the plugin) needs --modes kit")
     if a.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, got {a.attention_backend!r}")
