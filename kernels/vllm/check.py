@@ -490,7 +490,7 @@ def run_build(a: argparse.Namespace) -> int:
         if os.path.exists(os.path.join(folder, "model.safetensors")) and os.path.exists(cpath):
             with open(cpath) as f:
                 if json.load(f) == want:
-                    print(f"{name}: reusing {folder}", flush=True)
+                    print(f"{name}: reusing <model-dir>/{Path(folder).name}", flush=True)
                     continue
         t0 = time.time()
         m = build(name, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -626,8 +626,7 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
         from ..report import results
 
         def save(rows, checks, extra):
-            return results.save("vllm_check", rows, checks, folder=out, extra=extra,
-                                command="python -m batch_invariance_kit.vllm.check " + " ".join(sys.argv[1:]))
+            return results.save("vllm_check", rows, checks, folder=out, extra=extra)  # portable command
 
     t_start = clock()
     deadline = t_start + a.budget_s
@@ -860,8 +859,7 @@ def run_user_model(a: argparse.Namespace) -> int:
     extra = {"plan": {"model": os.path.abspath(a.model), "modes": a.modes, "platform": platform,
                       "batches": spec["batches"], "max_tokens": spec["max_tokens"], "eager": spec["eager"],
                       "targets": [len(t) for t in spec["targets"]], "fillers": len(spec["fillers"])}}
-    results.save("vllm_check_model", rows, checks, folder=Path(a.out), extra=extra,
-                 command="python -m batch_invariance_kit.vllm.check " + " ".join(sys.argv[1:]))
+    results.save("vllm_check_model", rows, checks, folder=Path(a.out), extra=extra)  # portable command
     print(verdict_page(a.model, platform, version, rows, checks))
     print(f"wrote {Path(a.out) / 'vllm_check_model.json'}")
     hard = [c for c in checks if not c.get("informational")]

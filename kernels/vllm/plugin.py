@@ -160,6 +160,9 @@ def snapshot() -> dict:
     ops = sys.modules.get(f"{__package__.rsplit('.', 1)[0]}.ops.custom_ops")
     for k, v in (ops.CALLS.items() if ops is not None else ()):
         calls[k] = calls.get(k, 0) + v
+    backend = sys.modules.get(f"{__package__}.attention_backend")
+    if backend is not None and backend.CALLS["launches"]:
+        calls["attention"] = calls.get("attention", 0) + backend.CALLS["launches"]
     return {"pid": os.getpid(), "platform": _STATE["platform"], "replacements": dict(REPLACEMENTS),
             "tiles": dict(TILES), "calls": calls}
 
