@@ -3,6 +3,7 @@ same bits alone and inside a batch, at every position; the same check catches th
 twins; the switch, the report and the registration.
 
 The engine-level test is ``tests/test_vllm_engine.py``."""
+import collections
 import json
 import os
 import subprocess
@@ -199,6 +200,9 @@ def test_switch_and_report(tmp_path, monkeypatch):
     assert P.tile_m({"KIT_TILE_M": "8"}) == 8 and P.tile_m({}) == P.TILE_M
     monkeypatch.setenv("KIT_PLUGIN_REPORT", str(tmp_path))
     monkeypatch.setattr(P, "CALLS", {})
+    for name in ("batch_invariance_kit.ops.custom_ops", "batch_invariance_kit.vllm.attention_backend"):
+        if name in sys.modules:  # counters of other tests in this process
+            monkeypatch.setattr(sys.modules[name], "CALLS", collections.Counter())
     P.count("linear")
     P.count("linear")
     P.write_report()
