@@ -1,4 +1,5 @@
-"""A small Qwen3-style decoder (dense or MoE) built on the kit's kernels.
+"""A small Qwen3-style decoder (dense or MoE) built on the kit's kernels, which also runs Llama
+layers (no per-head q/k norms, tied embeddings: SmolLM2, :mod:`.smollm2`).
 
 Every reduction of a forward pass goes through a kit kernel, all of them given one switch,
 ``impl="variant"`` or ``impl="invariant"``:
@@ -18,9 +19,11 @@ is evaluated per batch; then elementwise ``*`` and ``+``), SiLU-and-mul of the d
 final ``log_softmax`` in fp32 over the vocabulary (one row at a time; vocab-sized rows).
 
 Weights are random, from a fixed seed, with :func:`batch_invariance_kit.verify.harness.seeded_normal` (the same bits
-on every machine), named like Hugging Face's Qwen3 / Qwen3-MoE checkpoints so that
+on every machine), named like Hugging Face's Qwen3 / Qwen3-MoE / Llama checkpoints so that
 :meth:`Qwen3Model.save_pretrained` writes a folder (``model.safetensors`` + ``config.json``) that
-vLLM / transformers can load as ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``.
+vLLM / transformers can load as ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` /
+``LlamaForCausalLM``; :meth:`Qwen3Model.from_pretrained` reads such a folder, a trained Llama
+checkpoint included (``model_type: llama``).
 """
 from __future__ import annotations
 
@@ -66,6 +69,10 @@ class Qwen3Config:
     moe_intermediate_size: int = 64
     norm_topk_prob: bool = True
     seed: int = 0
+    #: per-head RMSNorm of q and k (Qwen3); ``False``: Llama layers
+    qk_norm: bool = True
+    #: the lm_head is the embedding matrix (SmolLM2)
+    tie_word_embeddings: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -77,9 +84,13 @@ class Qwen3Config:
 
     def hf_config(self) -> dict:
         """The ``config.json`` of a Hugging Face checkpoint of this model."""
+        if not self.qk_norm and self.is_moe:
+            raise ValueError("Llama layers (qk_norm=False) are dense: num_experts must be 0")
+        arch, mtype = (("Qwen3MoeForCausalLM", "qwen3_moe") if self.is_moe else ("Qwen3ForCausalLM", "qwen3")) \
+            if self.qk_norm else ("LlamaForCausalLM", "llama")
         c = {
-            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
-            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
+            "architectures": [arch],
+            "model_type": mtype,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -97,7 +108,7 @@ class Qwen3Config:
             "use_sliding_window": False,
             "sliding_window": None,
             "max_window_layers": self.num_hidden_layers,
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": self.tie_word_embeddings,
             "initializer_range": 0.02,
             "use_cache": True,
             "bos_token_id": 0,
@@ -120,6 +131,13 @@ class Qwen3Config:
             kw["seed"] = c["kit_seed"]
         if "Qwen3MoeForCausalLM" not in c.get("architectures", []):
             kw["num_experts"] = 0
+        if c.get("model_type") == "llama":
+            kw["qk_norm"] = False
+            kw.setdefault("head_dim", c["hidden_size"] // c["num_attention_heads"])
+        if "rope_theta" not in c and isinstance(c.get("rope_parameters"), dict):
+            kw["rope_theta"] = c["rope_parameters"]["rope_theta"]
+        if "torch_dtype" not in c and c.get("dtype") in DTYPES:
+            kw["torch_dtype"] = c["dtype"]
         return cls(**kw)
 
 
@@ -138,6 +156,8 @@ def param_names(cfg: Qwen3Config) -> list:
                 (p + "self_attn.k_norm.weight", (d,)),
                 (p + "self_attn.o_proj.weight", (H, hq * d)),
                 (p + "post_attention_layernorm.weight", (H,))]
+        if not cfg.qk_norm:
+            out = [o for o in out if not o[0].endswith(("q_norm.weight", "k_norm.weight"))]
         if cfg.is_moe:
             Im = cfg.moe_intermediate_size
             out.append((p + "mlp.gate.weight", (cfg.num_experts, H)))
@@ -148,7 +168,7 @@ def param_names(cfg: Qwen3Config) -> list:
         else:
             out += [(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H)),
                     (p + "mlp.down_proj.weight", (H, I))]
-    out += [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
+    out += [("model.norm.weight", (H,))] + ([] if cfg.tie_word_embeddings else [("lm_head.weight", (V, H))])
     return out
 
 
@@ -212,8 +232,8 @@ class StepBatch:
 class _Layer:
     in_norm: torch.Tensor
     qkv: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
     gate_up: torch.Tensor | None = None
@@ -248,7 +268,8 @@ class Qwen3Model:
             a = p + "self_attn."
             L = _Layer(in_norm=g(p + "input_layernorm.weight"),
                        qkv=torch.cat([g(a + "q_proj.weight"), g(a + "k_proj.weight"), g(a + "v_proj.weight")]),
-                       q_norm=g(a + "q_norm.weight"), k_norm=g(a + "k_norm.weight"), o=g(a + "o_proj.weight"),
+                       q_norm=g(a + "q_norm.weight") if cfg.qk_norm else None,
+                       k_norm=g(a + "k_norm.weight") if cfg.qk_norm else None, o=g(a + "o_proj.weight"),
                        post_norm=g(p + "post_attention_layernorm.weight"))
             if cfg.is_moe:
                 E = cfg.num_experts
@@ -263,7 +284,7 @@ class Qwen3Model:
                 L.down = g(p + "mlp.down_proj.weight")
             self.layers.append(L)
         self.norm = g("model.norm.weight")
-        self.lm_head = g("lm_head.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else g("lm_head.weight")
         # RoPE (Qwen3: rotate-half / neox style): cos/sin of every position, computed once in
         # float64 and rounded, so a token's values never depend on the batch it is part of.
         d = cfg.head_dim
@@ -328,8 +349,11 @@ class Qwen3Model:
         for i, L in enumerate(self.layers):
             qkv = linear(h, L.qkv, impl=im["linear"], config=lc)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
-            q = RN.rms_norm(q.reshape(T * hq, d).contiguous(), L.q_norm, eps, impl=im["norm"]).view(T, hq, d)
-            k = RN.rms_norm(k.reshape(T * hkv, d).contiguous(), L.k_norm, eps, impl=im["norm"]).view(T, hkv, d)
+            if L.q_norm is not None:  # Qwen3's per-head norms (Llama has none)
+                q = RN.rms_norm(q.reshape(T * hq, d).contiguous(), L.q_norm, eps, impl=im["norm"]).view(T, hq, d)
+                k = RN.rms_norm(k.reshape(T * hkv, d).contiguous(), L.k_norm, eps, impl=im["norm"]).view(T, hkv, d)
+            else:
+                q, k = q.reshape(T, hq, d), k.reshape(T, hkv, d)
             q = self._rope(q, batch.positions)
             k = self._rope(k, batch.positions)
             v = v.reshape(T, hkv, d).contiguous()
