@@ -1,12 +1,14 @@
 """MoE: a token's output is bitwise the same alone and inside batches of many sizes and
 compositions (uniform, skewed and duplicated routing; expert counts crossing BLOCK_M edges;
 every grouped-GEMM tile); the router, grouped-GEMM and combine variants fail the same check
-(negative controls; the combine's on its own, fed the same expert outputs); accuracy against
-float64; guard regions; bad input refused naming the argument; the tie rule; the dispatch layout.
+(negative controls; the combine's on its own, fed the same expert outputs); an expert's GEMM
+follows the kit matmul's K order (bitwise its matmul), over a long K too, where the variant is
+caught again; accuracy against float64; guard regions; bad input refused naming the argument;
+the tie rule; the dispatch layout.
 
-Tiny shapes (8 experts, top-2, hidden 64, intermediate 32) keep the file inside two minutes
-under the Triton interpreter; the negative controls use fp32 and hidden 256 (more K blocks,
-so a different split or K step shows in the bits).
+Tiny shapes (8 experts, top-2, hidden 64, intermediate 32) keep the file short under the Triton
+interpreter; the negative controls use fp32 and hidden 256 (more K blocks, so a different
+split or K step shows in the bits); the long-K tests 4 experts and 16 columns.
 """
 import pytest
 import torch
@@ -146,6 +148,60 @@ def test_variant_grouped_gemm_fails():
     assert not report.passed, "the grouped-GEMM variant (split-K / BLOCK_K by load) should depend on the batch"
     report = check_invariance(_pieces(torch.float32, "invariant"), make, [1, 130])
     assert report.passed, report.summary()
+
+
+#: A long K: over 4096, so K is cut into matmul's fixed chunks under the GPU's rule (2048 keys) and
+#: the interpreter's (64) alike; 4160 = 2 x 2048 + 64 leaves a short last chunk.  4 experts and
+#: 16 columns keep the interpreter quick.
+LONG_K, LONG_N, LONG_E = 4160, 16, 4
+
+
+def _long_k_gemms(impl):
+    """``impl``'s grouped GEMMs over ``LONG_K`` in fp32, a token's two experts taken from its own
+    first features (so they are the same alone and in a batch): gate/up with SiLU (the
+    variant's split-K pass of its own) and a plain GEMM (matmul's split-K pass); a token's
+    outputs side by side in one row."""
+    w13 = seeded_normal((LONG_E, 2 * LONG_N, LONG_K), 21, device=DEV) * LONG_K ** -0.5
+    w = seeded_normal((LONG_E, LONG_N, LONG_K), 22, device=DEV) * LONG_K ** -0.5
+
+    def f(x):
+        T = x.shape[0]
+        _, ids = moe.route(x[:, :LONG_E].contiguous(), TOPK)
+        d = moe.dispatch(ids, LONG_E, moe.select_config(T, TOPK, LONG_E, x.dtype, impl).block_m)
+        act = moe.grouped_gemm(x, w13, d, activation="silu_mul", gather_tokens=True, impl=impl)
+        y = moe.grouped_gemm(x, w, d, gather_tokens=True, impl=impl)
+        return torch.cat([act.view(T, -1), y.view(T, -1)], 1)
+    return f
+
+
+def test_long_k_expert_gemm_invariant_and_its_variant_caught():
+    """K over 4096 (matmul's chunked K order): a token's expert outputs are the same bits alone
+    (a load of 1 token per expert) and in a batch of 33 (17 per expert: another row of both
+    tables); the variant twin (split 4 then 2, K step 64 then 32) fails the same check."""
+    assert moe.MM.k_chunk(LONG_K, torch.float32) < LONG_K
+    assert moe.MM.k_chunk(LONG_K, torch.float32, compiled=True) < LONG_K
+    assert [moe.select_config(t, TOPK, LONG_E, torch.float32, "variant").split_k for t in (1, 33)] == [4, 2]
+    make = _maker("uniform", torch.float32, h=LONG_K)
+    report = check_invariance(_long_k_gemms("invariant"), make, [33], positions=[0, -1])
+    assert report.passed, report.summary()
+    report = check_invariance(_long_k_gemms("variant"), make, [33], positions=[0, -1], stop_at_first=True)
+    assert not report.passed, "the variant's split-K and K step by load should show over a long K"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+@pytest.mark.parametrize("K", [H, LONG_K])
+def test_expert_gemm_follows_the_matmul_k_order(dtype, K):
+    """One K order for every weight of the kit: each row of the invariant grouped GEMM is
+    bitwise the kit's matmul of that token by its expert's weight, for a K summed in one loop
+    and for a long K (chunks of ``matmul.k_chunk``)."""
+    x = seeded_normal((3, K), 23, dtype=dtype, device=DEV)
+    w = seeded_normal((LONG_E, LONG_N, K), 24, dtype=dtype, device=DEV) * K ** -0.5
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32, device=DEV)
+    y = moe.grouped_gemm(x, w, moe.dispatch(ids, LONG_E, 16), gather_tokens=True).view(3, TOPK, LONG_N)
+    for e in range(3):
+        ref = moe.MM.mm(x, w[e].t())  # every token through expert e (a matmul's rows are invariant)
+        for t, r in (ids == e).nonzero().tolist():
+            assert bitwise_equal(y[t, r], ref[t]), (e, t, r)
 
 
 #: The combine on its own: top-8 (Qwen3-MoE, DeepSeek-V3; with top-2 a lane tree is the chain

@@ -70,6 +70,7 @@ __all__ = [
     "TABLE",
     "block_k",
     "k_chunk",
+    "k_chunk_blocks",
     "select_config",
     "invariant_candidates",
     "variant_split_k",
@@ -180,6 +181,15 @@ def k_chunk(K: int, dtype: torch.dtype, *, compiled: bool | None = None) -> int:
     longest, chunk = LONG_K[INTERPRET if compiled is None else not compiled]
     assert chunk % bk == 0
     return K if K <= longest else chunk
+
+
+def k_chunk_blocks(K: int, dtype: torch.dtype, *, compiled: bool | None = None) -> int:
+    """``CHUNK_BLOCKS`` of a kernel that follows the invariant K order: the :func:`block_k`
+    blocks per chunk of :func:`k_chunk` for a long K, 0 for a K summed in one loop.  The
+    matmul's kernels and the MoE grouped GEMM (:mod:`batch_invariance_kit.ops.moe`) both take
+    it from here: one K order for every weight of the kit.  ``compiled``: as in :func:`k_chunk`."""
+    chunk = k_chunk(K, dtype, compiled=compiled)
+    return chunk // block_k(dtype) if chunk < K else 0
 
 
 def select_config(M: int, N: int = 0, K: int = 0, dtype: torch.dtype = torch.bfloat16, *,
@@ -435,20 +445,30 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, total_tiles, s_cm, 
 
 
 @triton.jit
+def _sum_splits(ws, split_stride, mask, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(p_0 + p_1) + ...`` in fp32, from zero in split order: partial sum ``s`` of the tile is
+    read at ``ws + s * split_stride`` (``ws``: the tile's pointers into split 0; int64 stride)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(ws + s * split_stride, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
 def _splitk_reduce_kernel(ws_ptr, c_ptr, bias_ptr, M, N, n_batch,
                           s_cb, s_cm, s_cn, s_biasm, s_biasn,
                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           HAS_BIAS: tl.constexpr):
     """out = round(((p_0 + p_1) + ...) + bias): the second pass of the variant's split-K and of
-    the invariant's chunk programs (``split_chunks``), partial sums added in order."""
+    the invariant's chunk programs (``split_chunks``), partial sums added in order (the
+    workspace is contiguous ``[SPLIT_K, n_batch, M, N]``).  The MoE grouped GEMM's variant
+    launches it too."""
     bid = tl.program_id(2)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        offs = ((s * n_batch + bid).to(tl.int64) * M + rows[:, None]) * N + cols[None, :]
-        acc += tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    offs = (bid.to(tl.int64) * M + rows[:, None]) * N + cols[None, :]
+    acc = _sum_splits(ws_ptr + offs, tl.cast(n_batch, tl.int64) * M * N, mask, SPLIT_K, BLOCK_M, BLOCK_N)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows[:, None] * s_biasm + cols[None, :] * s_biasn, mask=mask, other=0.0)
         acc = acc + to_f32(bias)
@@ -463,8 +483,7 @@ def _k_plan(impl, cfg, M, N, K, dtype, compiled=None) -> tuple:
     :func:`variant_split_k`, an even share of the blocks each."""
     bk = block_k(dtype)
     k_blocks = triton.cdiv(K, bk) if K > 0 else 0
-    chunk = k_chunk(K, dtype, compiled=compiled)
-    chunk_blocks = chunk // bk if chunk < K else 0
+    chunk_blocks = k_chunk_blocks(K, dtype, compiled=compiled)
     if impl == "variant":
         split = variant_split_k(M, N, K, dtype)
         return split, triton.cdiv(k_blocks, split) if split > 1 else k_blocks, chunk_blocks

@@ -22,17 +22,22 @@ The pipeline of one MoE layer (Qwen3-MoE / Mixtral / DeepSeek style), one public
 
 * ``"invariant"``: every reduction has one schedule whatever the batch: the router's per-token
   softmax sum has block size and warps chosen from the number of experts only
-  (:func:`router_launch`); the grouped GEMM has one K schedule for every expert load (``BLOCK_K``
-  from the dtype, :func:`batch_invariance_kit.ops.matmul.block_k`; no split-K; the K loop from 0 upward).  The
-  M/N tile is taken from a table keyed by tokens per expert (:data:`INVARIANT_TABLE`) but it only
-  decides *which program* computes a row, never *how*: any config may be forced with
-  ``config=`` and gives the same bits;
+  (:func:`router_launch`); the grouped GEMM has one K schedule for every expert load, the kit
+  matmul's: ``BLOCK_K`` from the dtype (:func:`batch_invariance_kit.ops.matmul.block_k`), no
+  split-K, each K block the matmul's own step (``matmul._ptr_step``) from block 0 upward, and a
+  long K in the matmul's fixed chunks (:func:`batch_invariance_kit.ops.matmul.k_chunk`: over
+  4096 keys, chunks of 2048 summed from zero, added in order), so a row of an expert's GEMM is
+  bitwise the kit's matmul of that token by the expert's weight.  The M/N tile is taken from a
+  table keyed by tokens per expert (:data:`INVARIANT_TABLE`) but it only decides *which
+  program* computes a row, never *how*: any config may be forced with ``config=`` and gives
+  the same bits;
 * ``"variant"``: launched like production: the router's rows per program, warps and the lanes
   that share a token's softmax sum are picked from the token count (a different tree for the
   sum), the gating matmul is :func:`batch_invariance_kit.ops.matmul` 's split-K variant, and the grouped GEMM takes
   ``BLOCK_K`` and split-K from a table keyed by tokens per expert (:data:`VARIANT_TABLE`, as
   tuned tables do: vLLM's fused-MoE JSON configs pick ``BLOCK_SIZE_K`` by M; split-K for thin
-  loads is the other common knob), and the combine is launched decode-style for few tokens: a
+  loads is the other common knob; one loop over its K range, no chunks; the split partials added
+  in order by matmul's second pass), and the combine is launched decode-style for few tokens: a
   token's k contributions are spread over 4 or 2 ``lanes`` (lane ``l`` sums ranks ``l, l +
   lanes, ...``, then the lanes are added), one chain for large batches (:func:`combine_launch`).
   It fails the invariance check (negative control);
@@ -61,7 +66,7 @@ from ..device import INTERPRET
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
-from .tl_numerics import dot_acc, from_f32, to_f32  # noqa: E402
+from .tl_numerics import from_f32, to_f32  # noqa: E402
 
 __all__ = [
     "IMPLS",
@@ -365,14 +370,25 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, validate
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _silu_mul(gate, up):
+    """``silu(gate) * up`` in fp32: ``gate / (1 + exp(-gate)) * up``."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expert_ptr,
                          n_valid, N, K, s_am, s_ak, s_we, s_wn, s_wk, s_cm, s_cn,
                          A_DIV: tl.constexpr, FUSE_SILU: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_BLOCKS: tl.constexpr,
+                         SPLIT_K: tl.constexpr, UPCAST: tl.constexpr):
     """Block ``pid_m`` of the dispatch times its expert's weight ``w[e]`` (N_w, K), read as
     (K, N).  FUSE_SILU: columns n and N + n of ``w[e]`` are gate and up; the output is
-    ``silu(gate) * up``.  SPLIT_K > 1 (variant only): fp32 partials to ``ws``."""
+    ``silu(gate) * up``.  The K loop is the matmul's: each K block is matmul's ``_ptr_step``
+    (one masked block of ``acc = tl.dot(a, b, acc)``), from block 0 upward, and with
+    CHUNK_BLOCKS > 0 (a long K, :func:`batch_invariance_kit.ops.matmul.k_chunk_blocks`) in
+    chunks of CHUNK_BLOCKS blocks, each summed from zero, added in chunk order, as matmul's
+    ``_tile`` does.  SPLIT_K > 1 (variant only, CHUNK_BLOCKS 0): the K blocks of split
+    ``program_id(2)``, fp32 partials to ``ws``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -384,35 +400,41 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expe
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         cols = offs_n.to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
         a_base = a_ptr + arow[:, None] * s_am
         w_base = w_ptr + expert.to(tl.int64) * s_we + cols[None, :] * s_wn
+        u_base = w_base + N * s_wn  # the up half (FUSE_SILU)
         k_blocks = tl.cdiv(K, BLOCK_K)
-        if SPLIT_K == 1:
-            kb_lo = 0
-            kb_hi = k_blocks
-        else:
-            per_split = tl.cdiv(k_blocks, SPLIT_K)
-            kb_lo = split * per_split
-            kb_hi = tl.minimum(kb_lo + per_split, k_blocks)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(kb_lo, kb_hi):  # upward from the range's first block
-            k = kb * BLOCK_K + offs_k
-            mask_k = k < K
-            kk = k.to(tl.int64)
-            a = tl.load(a_base + kk[None, :] * s_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            wmask = mask_k[:, None] & mask_n[None, :]
-            b = tl.load(w_base + kk[:, None] * s_wk, mask=wmask, other=0.0)
-            acc = dot_acc(a, b, acc, UPCAST)
-            if FUSE_SILU:
-                bu = tl.load(w_base + N * s_wn + kk[:, None] * s_wk, mask=wmask, other=0.0)
-                acc_u = dot_acc(a, bu, acc_u, UPCAST)
+        if CHUNK_BLOCKS == 0:  # one loop over this program's K blocks
+            if SPLIT_K == 1:
+                kb_lo = 0
+                kb_hi = k_blocks
+            else:
+                per_split = tl.cdiv(k_blocks, SPLIT_K)
+                kb_lo = split * per_split
+                kb_hi = tl.minimum(kb_lo + per_split, k_blocks)
+            for kb in range(kb_lo, kb_hi):  # upward from the range's first block
+                acc = MM._ptr_step(a_base, w_base, acc, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K, UPCAST)
+                if FUSE_SILU:
+                    acc_u = MM._ptr_step(a_base, u_base, acc_u, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K, UPCAST)
+        else:  # a long K: chunk sums from zero, added in chunk order
+            for c0 in range(0, k_blocks, CHUNK_BLOCKS):
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for kb in range(c0, tl.minimum(c0 + CHUNK_BLOCKS, k_blocks)):  # upward
+                    part = MM._ptr_step(a_base, w_base, part, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K, UPCAST)
+                    if FUSE_SILU:
+                        part_u = MM._ptr_step(a_base, u_base, part_u, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K,
+                                              UPCAST)
+                acc += part
+                if FUSE_SILU:
+                    acc_u += part_u
         rows = ids.to(tl.int64)
         mask = mask_m[:, None] & mask_n[None, :]
         if SPLIT_K == 1:
             if FUSE_SILU:
-                acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+                acc = _silu_mul(acc, acc_u)
             tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :] * s_cn, from_f32(acc, c_ptr.dtype.element_ty),
                      mask=mask)
         else:  # partials, contiguous [SPLIT_K, n_valid, (2 if FUSE_SILU else 1) * N]
@@ -424,22 +446,20 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expe
 
 
 @triton.jit
-def _splitk_epilogue_kernel(ws_ptr, c_ptr, n_valid, N, s_cm, s_cn, SPLIT_K: tl.constexpr,
-                            FUSE_SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The variant's second pass: partials added in split order, then the activation, rounded."""
+def _splitk_silu_kernel(ws_ptr, c_ptr, n_valid, N, s_cm, s_cn, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """The variant's second pass for the fused gate/up GEMM: the gate's and the up's partial
+    sums each added in split order by matmul's ``_sum_splits`` (the pass of matmul's
+    ``_splitk_reduce_kernel``, which the unfused GEMM's variant launches as it is), then
+    ``silu(gate) * up``, rounded once.  A kernel of its own for the activation between the sum
+    and the rounding; partials as ``_grouped_gemm_kernel`` stores them, ``[SPLIT_K, n_valid, 2N]``."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask = (rows < n_valid)[:, None] & (cols < N)[None, :]
-    width = 2 * N if FUSE_SILU else N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        base = (s * n_valid + rows[:, None]) * width + cols[None, :]
-        acc += tl.load(ws_ptr + base, mask=mask, other=0.0)
-        if FUSE_SILU:
-            acc_u += tl.load(ws_ptr + base + N, mask=mask, other=0.0)
-    if FUSE_SILU:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+    gate = ws_ptr + rows[:, None] * (2 * N) + cols[None, :]
+    split_stride = tl.cast(n_valid, tl.int64) * (2 * N)
+    acc = _silu_mul(MM._sum_splits(gate, split_stride, mask, SPLIT_K, BLOCK_M, BLOCK_N),
+                    MM._sum_splits(gate + N, split_stride, mask, SPLIT_K, BLOCK_M, BLOCK_N))
     tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :] * s_cn, from_f32(acc, c_ptr.dtype.element_ty), mask=mask)
 
 
@@ -498,18 +518,26 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, disp: Dispatch, *, activation
     else:
         _check_out("out", out, (disp.num_valid, N), a.dtype, a)
     split = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
+    # the invariant K order is the matmul's (chunks for a long K); the variant keeps its table's
+    chunk_blocks = MM.k_chunk_blocks(K, a.dtype) if impl == "invariant" else 0
     width = 2 * N if fuse else N
     ws = torch.empty((split, disp.num_valid, width), dtype=torch.float32, device=a.device) if split > 1 else out
     _grouped_gemm_kernel[(disp.num_blocks, triton.cdiv(N, cfg.block_n), split)](
         a, w, out, ws, disp.sorted_ids, disp.block_expert, disp.num_valid, N, K,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         A_DIV=disp.top_k if gather_tokens else 1, FUSE_SILU=fuse, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=split, UPCAST=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, CHUNK_BLOCKS=chunk_blocks, SPLIT_K=split, UPCAST=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
-        _splitk_epilogue_kernel[(triton.cdiv(disp.num_valid, 32), triton.cdiv(N, 64))](
-            ws, out, disp.num_valid, N, out.stride(0), out.stride(1),
-            SPLIT_K=split, FUSE_SILU=fuse, BLOCK_M=32, BLOCK_N=64, num_warps=4,
+    if split > 1 and fuse:
+        _splitk_silu_kernel[(triton.cdiv(disp.num_valid, 32), triton.cdiv(N, 64))](
+            ws, out, disp.num_valid, N, out.stride(0), out.stride(1), SPLIT_K=split, BLOCK_M=32, BLOCK_N=64,
+            num_warps=4,
+        )
+    elif split > 1:  # matmul's pass over [SPLIT_K, 1, num_valid, N] partials (no bias)
+        MM._splitk_reduce_kernel[(triton.cdiv(disp.num_valid, 32), triton.cdiv(N, 64), 1)](
+            ws, out, out, disp.num_valid, N, 1, 0, out.stride(0), out.stride(1), 0, 0,
+            SPLIT_K=split, BLOCK_M=32, BLOCK_N=64, HAS_BIAS=False, num_warps=4,
         )
     return out
 

@@ -18,9 +18,10 @@ schedule; on a CPU the SM count and PDL support of an H200 stand in for the devi
 function at shapes that reach every shipped config: every cell of matmul's tables (16-bit and
 fp32, ``mm`` and ``linear``, short and long K), the attention schedule's launches (prefill and
 decode, split programs with the merge and serial programs), each RMSNorm op at the invariant
-block sizes and both variant blocks, the MoE router, grouped GEMM (every row of both tables),
-split-K epilogue and combine, the override's row kernels.  The recorder turns each launch's
-arguments into the compiler's signature, constexprs and attributes exactly as ``run`` would
+block sizes and both variant blocks, the MoE router, grouped GEMM (every row of both tables,
+and a long hidden size, whose K is chunked, at every invariant row), both split-K passes and
+combine, the override's row kernels.  The recorder turns each launch's arguments into the
+compiler's signature, constexprs and attributes exactly as ``run`` would
 (Triton's binder), so what is compiled is what the GPU would compile.  A config added to a
 table is compiled without any change here; a kernel of the kit that no driver reaches
 (:func:`kit_kernels`) fails the run.
@@ -271,6 +272,20 @@ def _moe(rec, dev):
             h = torch.empty((T * k, inter), dtype=dt, device=dev)
             rec.call(f"moe down {cfg.name} {tag}", M.grouped_gemm, h, w2, disp, impl=impl)
             rec.call(f"moe combine {tag}", M.combine, torch.empty((T * k, H), dtype=dt, device=dev), wts, impl=impl)
+    # a long hidden size (DeepSeek-V3's 7168): the invariant gate/up GEMM sums K in matmul's
+    # fixed chunks (CHUNK_BLOCKS > 0), at every row of the invariant table.  8 experts and a
+    # narrow intermediate keep the (never touched) weights small: the compile sees dtypes,
+    # alignment and constexprs, not sizes.
+    E, H, inter = 8, 7168, 256
+    w13 = torch.empty((E, 2 * inter, H), dtype=dt, device=dev)
+    bounds = [b for b, *_ in M.INVARIANT_TABLE if b is not None]
+    for T in sorted({max(1, b * E // k) for b in bounds} | {2 * bounds[-1] * E // k}):  # + the unbounded row
+        x = torch.empty((T, H), dtype=dt, device=dev)
+        ids = (torch.arange(T * k, device=dev) % E).reshape(T, k).to(torch.int32)
+        cfg = M.select_config(T, k, E, dt)
+        tag = f"invariant tokens={T} experts={E} top{k} hidden={H} inter={inter}"
+        rec.call(f"moe gate_up long-K {cfg.name} {tag}", M.grouped_gemm, x, w13, M.dispatch(ids, E, cfg.block_m),
+                 activation="silu_mul", gather_tokens=True)
 
 
 def _override(rec, dev):
