@@ -43,39 +43,12 @@ def _seq(seed, r, n, dtype):
     return q, k, v
 
 
-class Cache:
-    """A paged cache with shuffled blocks, and helpers to run steps of sequences on it."""
+class Cache(A.PagedCache):
+    """The tests' paged cache (:class:`~batch_invariance_kit.ops.attention.PagedCache`): their
+    head shapes and cache blocks, blocks shuffled by ``seed``."""
 
     def __init__(self, dtype, num_blocks=256 * CACHE_SCALE, seed=0):
-        self.k, self.v = A.new_cache(num_blocks, BS, HKV, D, dtype)
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.tables = {}
-
-    def table(self, name, n, shared=None):
-        """Block list of sequence ``name`` long enough for ``n`` keys (``shared``: a list of
-        blocks to reuse for its first keys, the prefix-cache hit)."""
-        t = self.tables.setdefault(name, list(shared or []))
-        while len(t) * BS < n:
-            t.append(self.free.pop())
-        return t
-
-    def write(self, name, k, v, start):
-        n = start + k.shape[0]
-        t = torch.tensor(self.table(name, n), dtype=torch.int32, device=DEV)
-        pos = torch.arange(start, n, device=DEV)
-        A.write_kv(k, v, self.k, self.v, t[pos // BS].long() * BS + pos % BS)
-
-    def run(self, steps, impl="invariant", out=None, config=None):
-        """steps: [(name, q of the new tokens, seq_len after the step)]; returns the outputs."""
-        width = max(len(self.tables[n]) for n, _, _ in steps)
-        bt = torch.zeros((len(steps), width), dtype=torch.int32)
-        for i, (n, _, _) in enumerate(steps):
-            bt[i, :len(self.tables[n])] = torch.tensor(self.tables[n], dtype=torch.int32)
-        q = torch.cat([s[1] for s in steps])
-        lens = torch.tensor([s[2] for s in steps], dtype=torch.int32, device=DEV)
-        qsl = torch.tensor([0] + [s[1].shape[0] for s in steps], dtype=torch.int32).cumsum(0).to(torch.int32)
-        o = A.attention(q, self.k, self.v, bt.to(DEV), lens, qsl.to(DEV), impl=impl, out=out, config=config)
-        return list(o.split([s[1].shape[0] for s in steps]))
+        super().__init__(num_blocks, BS, HKV, D, dtype, device=DEV, seed=seed)
 
 
 def _decode_op(dtype, impl):
@@ -431,6 +404,58 @@ def test_write_kv_copies_bits_and_skips_minus_one():
         A.write_kv(key, val, k, v, torch.tensor([5, -1, 63], device=DEV))
         assert bitwise_equal(k.view(-1, HKV, D)[5], key[0]) and bitwise_equal(v.view(-1, HKV, D)[63], val[2])
         assert int((k != 0).sum()) == int((key[[0, 2]] != 0).sum())
+
+
+def test_paged_cache_hands_out_blocks_and_assembles_steps():
+    """:class:`A.PagedCache`: the seeded free list is taken from its end (``seed=None``: blocks
+    in order), a block list grows on demand, keys land at their slots, a prefix hit starts a
+    sequence with shared blocks, and a step gets a padded block table and its metadata on the
+    cache's device; bad input is refused naming the argument, with no block taken."""
+    dt = torch.float32
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(5)).tolist()
+    c = A.PagedCache(8, BS, HKV, D, dt, device=DEV, seed=5)
+    q, k, v = _seq(31, 0, BS + 3, dt)
+    c.write("a", k[:5], v[:5], 0)
+    assert c.tables["a"] == perm[-1:]
+    c.write("a", k[5:], v[5:], 5)  # a chunk across a block edge: one more block
+    assert c.tables["a"] == [perm[-1], perm[-2]] and c.free == perm[:-2]
+    ka, va = A.gather_kv(c.k, c.v, A.block_table([c.tables["a"]], DEV), 0, BS + 3)
+    assert bitwise_equal(ka, k) and bitwise_equal(va, v)
+    c.write("b", k[BS:], v[BS:], BS, shared=c.tables["a"][:1])  # a prefix hit on a's first block
+    assert c.tables["b"] == [perm[-1], perm[-3]]
+    steps = [("a", q[-1:], BS + 3), ("b", q[BS:], BS + 3), ("a", q[:0], 0)]  # the last: a padding entry
+    qq, bt, lens, qsl = c.args(steps)
+    assert bitwise_equal(qq, torch.cat([q[-1:], q[BS:]]))
+    assert all(t.dtype == torch.int32 and t.device.type == c.k.device.type for t in (bt, lens, qsl))
+    assert bt.tolist() == [c.tables["a"], c.tables["b"], c.tables["a"]]
+    assert lens.tolist() == [BS + 3, BS + 3, 0] and qsl.tolist() == [0, 1, 4, 4]
+    outs = c.run(steps, impl="reference")
+    assert [o.shape[0] for o in outs] == [1, 3, 0]
+    assert bitwise_equal(torch.cat(outs), A.attention(qq, c.k, c.v, bt, lens, qsl, impl="reference"))
+    assert A.PagedCache(8, BS, HKV, D, dt, device=DEV).table("x", 2 * BS + 1) == [0, 1, 2]
+    assert A.grow_blocks([7], 3 * BS, BS, iter([4, 5, 6]).__next__) == [7, 4, 5]
+    assert A.block_table([[3, 1], [], [2]], "cpu").tolist() == [[3, 1], [0, 0], [2, 0]]
+    free = list(c.free)
+    with pytest.raises(ValueError, match="out of blocks: sequence 'big' needs 6 more blocks"):
+        c.table("big", 6 * BS)
+    assert c.free == free and "big" not in c.tables
+    for call, err, match in (
+            (lambda: c.write("a", k, v, -1), ValueError, "start must be >= 0"),
+            (lambda: c.write("a", k, v, 0.5), TypeError, "start must be an int"),
+            (lambda: c.write("a", k.tolist(), v, 0), TypeError, "k must be a torch.Tensor"),
+            (lambda: c.write("a", k, v, 0, shared=[0]), ValueError, "shared: sequence 'a' already has blocks"),
+            (lambda: c.table("c", 1, shared=[8]), ValueError, "shared holds block 8"),
+            (lambda: c.args([]), ValueError, "steps must hold"),
+            (lambda: c.args([("zz", q, 1)]), ValueError, r"steps\[0\]: sequence 'zz' has no blocks"),
+            (lambda: c.args([("a", q[-1:], 1), ("a", q)]), TypeError, r"steps\[1\] must be a"),
+            (lambda: c.args([("a", q[-1:], 2 * BS + 1)]), ValueError, r"steps\[0\] seq_len=33 is longer"),
+            (lambda: c.run("a"), TypeError, "steps must be a list"),
+            (lambda: A.PagedCache(8, BS, HKV, D, dt, seed=1.5), TypeError, "seed"),
+            (lambda: A.PagedCache(0, BS, HKV, D, dt), ValueError, "num_blocks"),
+            (lambda: A.block_table(3), TypeError, "tables")):
+        with pytest.raises(err, match=match):
+            call()
+    assert c.free == free and sorted(c.tables) == ["a", "b"]
 
 
 def test_bad_inputs_raise_naming_the_argument():

@@ -155,14 +155,9 @@ def _layers_steps(dtype):
 
 
 def _args(c, steps):
-    width = max(len(c.tables[n]) for n, _, _ in steps)
-    bt = torch.zeros((len(steps), width), dtype=torch.int32)
-    for i, (n, _, _) in enumerate(steps):
-        bt[i, :len(c.tables[n])] = torch.tensor(c.tables[n], dtype=torch.int32)
-    lens = [s[2] for s in steps]
-    qsl = [0] + torch.tensor([s[1].shape[0] for s in steps]).cumsum(0).tolist()
-    i32 = dict(dtype=torch.int32, device=DEV)
-    return torch.cat([s[1] for s in steps]), bt.to(DEV), torch.tensor(lens, **i32), torch.tensor(qsl, **i32), lens, qsl
+    """The step's tensors (:meth:`PagedCache.args`) and its host ``seq_lens`` and ``query_start_loc``."""
+    q, bt, lens, qsl = c.args(steps)
+    return q, bt, lens, qsl, lens.tolist(), qsl.tolist()
 
 
 def test_one_plan_per_step_shared_by_layers():

@@ -20,38 +20,10 @@ from ..verify.harness import bits, bitwise_equal
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
-class _Paged:
-    """A paged cache on the GPU with shuffled blocks; sequences get blocks on demand."""
-
-    def __init__(self, tokens: int, dtype, seed: int = 0):
-        nb = tokens // BS + 64
-        self.k, self.v = A.new_cache(nb, BS, HKV, D, dtype, device="cuda")
-        self.free = torch.randperm(nb, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.tables = {}
-
-    def write(self, name, k, v, start, shared=None):
-        t = self.tables.setdefault(name, list(shared or []))
-        n = start + k.shape[0]
-        while len(t) * BS < n:
-            t.append(self.free.pop())
-        tt = torch.tensor(t, dtype=torch.int32, device="cuda")
-        pos = torch.arange(start, n, device="cuda")
-        A.write_kv(k, v, self.k, self.v, tt[pos // BS].long() * BS + pos % BS)
-
-    def args(self, steps):
-        """steps [(name, q, seq_len)] -> (q, block_table, seq_lens, query_start_loc)."""
-        width = max(len(self.tables[n]) for n, _, _ in steps)
-        bt = torch.zeros((len(steps), width), dtype=torch.int32)
-        for i, (n, _, _) in enumerate(steps):
-            bt[i, :len(self.tables[n])] = torch.tensor(self.tables[n], dtype=torch.int32)
-        lens = torch.tensor([s[2] for s in steps], dtype=torch.int32)
-        qsl = torch.tensor([0] + [s[1].shape[0] for s in steps]).cumsum(0).to(torch.int32)
-        return torch.cat([s[1] for s in steps]), bt.cuda(), lens.cuda(), qsl.cuda()
-
-    def run(self, steps, impl="invariant", config=None):
-        q, bt, lens, qsl = self.args(steps)
-        o = A.attention(q, self.k, self.v, bt, lens, qsl, impl=impl, config=config)
-        return list(o.split([s[1].shape[0] for s in steps]))
+def _paged(tokens: int, dtype, seed: int = 0) -> A.PagedCache:
+    """A paged cache on the GPU for ``tokens`` keys (and 64 blocks to spare), blocks shuffled by
+    ``seed``; sequences get blocks on demand."""
+    return A.PagedCache(tokens // BS + 64, BS, HKV, D, dtype, device="cuda", seed=seed)
 
 
 def _seq(n, dtype, gen):
@@ -74,7 +46,7 @@ def consistency(quick: bool) -> tuple:
         data = [_seq(n, dtype, gen) for n in lens]
         differs = {}
         for impl in ("invariant", "variant"):
-            alone_cache, batch_cache = _Paged(sum(lens), dtype, seed=2), _Paged(sum(lens), dtype, seed=3)
+            alone_cache, batch_cache = _paged(sum(lens), dtype, seed=2), _paged(sum(lens), dtype, seed=3)
             for i, (q, k, v) in enumerate(data):
                 batch_cache.write(i, k, v, 0)
             for bs in (1, 8, 64):
@@ -101,11 +73,11 @@ def consistency(quick: bool) -> tuple:
     gen = torch.Generator(device="cuda").manual_seed(4)
     n = 2048 + 2 * cfg.split_size + 37 if quick else 8192 + 37
     q, k, v = _seq(n, dtype, gen)
-    c = _Paged(4 * n, dtype, seed=5)
+    c = _paged(4 * n, dtype, seed=5)
     c.write("s", k, v, 0)
     pre = c.run([("s", q, n)])[0]
     # (b) chunks at multiples of block_n
-    c2 = _Paged(2 * n, dtype, seed=6)
+    c2 = _paged(2 * n, dtype, seed=6)
     cuts = [0, bn, cfg.split_size + bn, 5 * bn * 8, n]
     got = []
     for a, b in zip(cuts, cuts[1:]):
@@ -118,7 +90,7 @@ def consistency(quick: bool) -> tuple:
     qb, kb, vb = _seq(n - p, dtype, gen)
     c.write("b", kb, vb, p, shared=c.tables["s"][:p // BS])
     hit = c.run([("b", qb, n)])[0]
-    c3 = _Paged(2 * n, dtype, seed=7)
+    c3 = _paged(2 * n, dtype, seed=7)
     c3.write("b", torch.cat([k[:p], kb]), torch.cat([v[:p], vb]), 0)
     recomputed = c3.run([("b", torch.cat([q[:p], qb]), n)])[0][p:]
     checks.append({"name": f"(c) prefix-cache hit ({p} keys) == recompute (bf16)",
@@ -167,7 +139,7 @@ def decode_tiles(quick: bool, configs=None) -> tuple:
     gen = torch.Generator(device="cuda").manual_seed(4)
     n = 2048 + 37 if quick else 8192 + 37
     q, k, v = _seq(n, dtype, gen)
-    c = _Paged(2 * n, dtype, seed=5)
+    c = _paged(2 * n, dtype, seed=5)
     c.write("s", k, v, 0)
     checks = []
     for cfg in configs:
@@ -197,7 +169,7 @@ def _decode_cell(B: int, L: int, dtype):
     """One decode cell of the benchmarks: B sequences of L keys (random K/V in a shuffled paged
     cache) and one query token each: ``(cache, q, block_table, seq_lens, query_start_loc)``."""
     gen = torch.Generator(device="cuda").manual_seed(B * 100003 + L)
-    c = _Paged(B * L, dtype, seed=B)
+    c = _paged(B * L, dtype, seed=B)
     for i in range(B):
         c.write(i, torch.randn((L, HKV, D), generator=gen, device="cuda").to(dtype),
                 torch.randn((L, HKV, D), generator=gen, device="cuda").to(dtype), 0)
@@ -310,7 +282,7 @@ def bench(quick: bool) -> tuple:
             del c
     for n in ((1024, 4096) if quick else (1024, 4096, 8192)):
         gen = torch.Generator(device="cuda").manual_seed(n)
-        c = _Paged(n, dtype, seed=n)
+        c = _paged(n, dtype, seed=n)
         k = torch.randn((n, HKV, D), generator=gen, device="cuda").to(dtype)
         v = torch.randn((n, HKV, D), generator=gen, device="cuda").to(dtype)
         c.write(0, k, v, 0)
@@ -411,7 +383,7 @@ def tune(quick: bool, configs=None, prefill: bool = True) -> tuple:
         return rows, done
     n = 4096
     gen = torch.Generator(device="cuda").manual_seed(n)
-    c = _Paged(n, dtype, seed=n)
+    c = _paged(n, dtype, seed=n)
     k = torch.randn((n, HKV, D), generator=gen, device="cuda").to(dtype)
     v = torch.randn((n, HKV, D), generator=gen, device="cuda").to(dtype)
     c.write(0, k, v, 0)

@@ -8,6 +8,9 @@ A sequence's key at position ``p`` lives in physical block ``block_table[s, p //
 row ``p % block_size``.  :func:`write_kv` stores new keys/values at *slots*
 (``slot = block * block_size + row``, ``-1`` = skip, vLLM's convention) with a Triton kernel
 that copies bits (16-bit and fp32 values travel as integers: no rounding anywhere).
+:class:`PagedCache` is the cache with its allocator, for tests, benchmarks and the book: a
+seeded shuffled free list, block lists grown on demand (:func:`grow_blocks`), writes through
+the slot mapping (:func:`slots`) and a step's padded :func:`block_table` and metadata.
 
 One kernel for prefill, decode and mixed batches
 ------------------------------------------------
@@ -117,6 +120,7 @@ Triton, where the interpreter never takes that branch).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -139,9 +143,12 @@ __all__ = [
     "INTERPRETER_CONFIG",
     "default_config",
     "new_cache",
+    "block_table",
+    "grow_blocks",
     "allocate_blocks",
     "slots",
     "write_kv",
+    "PagedCache",
     "query_tile",
     "split_size_at",
     "split_plan",
@@ -300,6 +307,39 @@ def new_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dt
     return torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev)
 
 
+def _index(name, v) -> int:
+    """``v`` as an int >= 0 (a Python or NumPy integer, not a bool)."""
+    try:
+        i = operator.index(v)
+    except TypeError:
+        i = None
+    if i is None or isinstance(v, bool):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if i < 0:
+        raise ValueError(f"{name} must be >= 0, got {i}")
+    return i
+
+
+def block_table(tables, device=None) -> torch.Tensor:
+    """The block table ``(num_seqs, max_blocks)`` int32 of per-sequence block lists (host lists
+    of physical block ids, one a sequence), padded with 0 (at least one column)."""
+    if isinstance(tables, torch.Tensor) or not hasattr(tables, "__iter__"):
+        raise TypeError(f"tables must be a list of block lists, got {type(tables).__name__}")
+    rows = [_host_list(f"tables[{s}]", t) for s, t in enumerate(tables)]
+    table = torch.zeros((len(rows), max([len(t) for t in rows] + [1])), dtype=torch.int32)
+    for s, t in enumerate(rows):
+        table[s, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return table.to(DEVICE if device is None else device)
+
+
+def grow_blocks(blocks: list, n: int, block_size: int, alloc) -> list:
+    """Append ``alloc()`` blocks to the block list ``blocks`` until it holds positions
+    ``0..n-1`` (``ceil(n / block_size)`` blocks); returns ``blocks``."""
+    while len(blocks) * block_size < n:
+        blocks.append(alloc())
+    return blocks
+
+
 def allocate_blocks(seq_lens, block_size: int, num_blocks: int, *, seed: int | None = None,
                     device=None) -> torch.Tensor:
     """A block table ``(num_seqs, max_blocks)`` int32 giving each sequence its own physical
@@ -307,14 +347,13 @@ def allocate_blocks(seq_lens, block_size: int, num_blocks: int, *, seed: int | N
     need = [triton.cdiv(int(n), block_size) for n in seq_lens]
     if sum(need) > num_blocks:
         raise ValueError(f"seq_lens need {sum(need)} blocks of {block_size}, the cache has {num_blocks}")
-    order = torch.arange(num_blocks) if seed is None else \
-        torch.randperm(num_blocks, generator=torch.Generator().manual_seed(int(seed)))
-    table = torch.zeros((len(need), max(need + [1])), dtype=torch.int32)
-    at = 0
-    for s, n in enumerate(need):
-        table[s, :n] = order[at:at + n].to(torch.int32)
+    order = (torch.arange(num_blocks) if seed is None else
+             torch.randperm(num_blocks, generator=torch.Generator().manual_seed(int(seed)))).tolist()
+    rows, at = [], 0
+    for n in need:
+        rows.append(order[at:at + n])
         at += n
-    return table.to(DEVICE if device is None else device)
+    return block_table(rows, device)
 
 
 def slots(block_table: torch.Tensor, seq: int, start: int, end: int, block_size: int) -> torch.Tensor:
@@ -391,6 +430,101 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), CACHE_BLOCK=bs,
         BLOCK_T=16, KV_HEADS=hkv, H_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d, D_PAD=triton.next_power_of_2(d))
+
+
+class PagedCache:
+    """A paged KV cache (:func:`new_cache`) whose sequences get physical blocks on demand, and
+    the varlen launch of a step over it.
+
+    ``k``, ``v``: the caches, on ``device`` (default: the kit's device); ``tables`` maps a
+    sequence's name (any hashable) to its block list.  Free blocks form a list taken from its
+    end: ``torch.randperm(num_blocks)`` of a generator seeded by ``seed`` (blocks scattered
+    over the cache, as in an engine after some traffic), or with ``seed=None`` blocks ``0, 1,
+    2, ...`` in order.  Sequences may share blocks: a prefix-cache
+    hit starts a sequence with another's blocks (``shared``), and ``tables[name] =
+    tables[other]`` lets a decode step of any position read a prompt's blocks.
+
+    A *step* is a list of ``(name, q, seq_len)``: ``q`` ``(q_len, q_heads, head_dim)`` holds the
+    queries of the sequence's new tokens and ``seq_len`` is its context after the step (the
+    new tokens are its last ``q_len`` positions, as in :func:`attention`)."""
+
+    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16,
+                 *, device=None, seed: int | None = None):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be None or an int, got {type(seed).__name__}")
+        self.k, self.v = new_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free = (list(range(num_blocks - 1, -1, -1)) if seed is None else
+                     torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist())
+        self.tables: dict = {}
+
+    def table(self, name, n: int, shared=None) -> list:
+        """The block list of sequence ``name``, grown to hold positions ``0..n-1``; a new
+        sequence starts with the blocks ``shared`` (a prefix-cache hit), if given."""
+        n = _index("n", n)
+        if shared is not None:
+            if name in self.tables:
+                raise ValueError(f"shared: sequence {name!r} already has blocks; only a new sequence starts "
+                                 f"with shared blocks")
+            shared = _host_list("shared", shared)
+            bad = [b for b in shared if not 0 <= b < self.num_blocks]
+            if bad:
+                raise ValueError(f"shared holds block {bad[0]}; the cache has {self.num_blocks} blocks")
+        t = self.tables.get(name, shared or [])
+        need = triton.cdiv(n, self.block_size) - len(t)
+        if need > len(self.free):
+            raise ValueError(f"out of blocks: sequence {name!r} needs {need} more blocks of {self.block_size} "
+                             f"for {n} positions, {len(self.free)} of num_blocks={self.num_blocks} are free")
+        self.tables[name] = t
+        return grow_blocks(t, n, self.block_size, self.free.pop)
+
+    def write(self, name, k: torch.Tensor, v: torch.Tensor, start: int, shared=None) -> None:
+        """Store keys ``k`` and values ``v`` ``(n, kv_heads, head_dim)`` of sequence ``name`` at
+        positions ``start..start+n-1``, growing its block list (``shared``: see :meth:`table`)."""
+        start = _index("start", start)
+        checks.tensor("k", k, dim=3, contiguous=False, nonempty=False)
+        checks.tensor("v", v, dim=3, contiguous=False, nonempty=False)
+        end = start + k.shape[0]
+        bt = block_table([self.table(name, end, shared)], self.k.device)
+        write_kv(k, v, self.k, self.v, slots(bt, 0, start, end, self.block_size))
+
+    def _steps(self, steps) -> list:
+        """``steps`` as a list, checked: known sequences, 3-D queries, contexts their blocks hold."""
+        if isinstance(steps, (str, bytes, torch.Tensor)) or not hasattr(steps, "__iter__"):
+            raise TypeError(f"steps must be a list of (name, q, seq_len), got {type(steps).__name__}")
+        steps = list(steps)
+        if not steps:
+            raise ValueError("steps must hold at least one (name, q, seq_len)")
+        for i, st in enumerate(steps):
+            if not isinstance(st, (tuple, list)) or len(st) != 3:
+                raise TypeError(f"steps[{i}] must be a (name, q, seq_len) triple, got {st!r:.80}")
+            name, q, n = st
+            if name not in self.tables:
+                raise ValueError(f"steps[{i}]: sequence {name!r} has no blocks in this cache (write it first)")
+            checks.tensor(f"steps[{i}] q", q, dim=3, contiguous=False, nonempty=False)
+            n = _index(f"steps[{i}] seq_len", n)
+            if n > len(self.tables[name]) * self.block_size:
+                raise ValueError(f"steps[{i}] seq_len={n} is longer than sequence {name!r}'s "
+                                 f"{len(self.tables[name])} blocks of {self.block_size} hold")
+        return steps
+
+    def args(self, steps) -> tuple:
+        """``(q, block_table, seq_lens, query_start_loc)`` of a step, the metadata on the cache's
+        device: :func:`attention`'s arguments besides the caches."""
+        steps = self._steps(steps)
+        dev = self.k.device
+        bt = block_table([self.tables[name] for name, _, _ in steps], dev)
+        lens = torch.tensor([n for _, _, n in steps], dtype=torch.int32, device=dev)
+        qsl = torch.tensor([0] + [q.shape[0] for _, q, _ in steps]).cumsum(0).to(torch.int32).to(dev)
+        return torch.cat([q for _, q, _ in steps]), bt, lens, qsl
+
+    def run(self, steps, *, impl: str = "invariant", config=None, out=None) -> list:
+        """The outputs of a step, one ``(q_len, q_heads, head_dim)`` per entry of ``steps``, from
+        one :func:`attention` launch (``impl``, ``config``, ``out``: passed on)."""
+        steps = self._steps(steps)
+        q, bt, lens, qsl = self.args(steps)
+        o = attention(q, self.k, self.v, bt, lens, qsl, impl=impl, config=config, out=out)
+        return list(o.split([st[1].shape[0] for st in steps]))
 
 
 #: columns of the output per program of the left-fold merge (one warp: a column per lane);

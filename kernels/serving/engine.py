@@ -307,26 +307,23 @@ class Engine:
             if not sched:
                 step += 1
                 continue
-            toks, pos, slot, lens, qsl, want, rows_of = [], [], [], [], [0], [], []
+            toks, pos, spans, lens, qsl, want, rows_of = [], [], [], [], [0], [], []
             for s, n in sched:
                 lo, hi = s.computed, s.computed + n
-                while len(s.blocks) * bs < hi:
-                    s.blocks.append(self.blocks.alloc())
+                A.grow_blocks(s.blocks, hi, bs, self.blocks.alloc)
+                spans.append((lo, hi))
                 fed = s.tokens[lo:hi] if s.prefilling else s.tokens[lo:] + s.draft
                 toks += fed
                 pos += list(range(lo, hi))
-                slot += [s.blocks[p // bs] * bs + p % bs for p in range(lo, hi)]
                 lens.append(hi)
                 qsl.append(qsl[-1] + n)
                 if hi >= len(s.tokens):          # the last prompt token, or a decode / verify step
                     k = hi - len(s.tokens) + 1   # rows read: 1, or 1 + the draft tokens
                     rows_of.append((s, len(want), k))
                     want += range(qsl[-1] - k, qsl[-1])
-            width = max(len(s.blocks) for s, _ in sched)
-            table = torch.zeros((len(sched), width), dtype=torch.int32)
-            for i, (s, _) in enumerate(sched):
-                table[i, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
-            batch = step_batch(toks, pos, slot, table, lens, qsl, want, dev)
+            table = A.block_table([s.blocks for s, _ in sched], "cpu")
+            slot = torch.cat([A.slots(table, i, lo, hi, bs) for i, (lo, hi) in enumerate(spans)])
+            batch = step_batch(toks, pos, slot.tolist(), table, lens, qsl, want, dev)
             lp = self.model.forward(batch, self.kv, impl=self.impl).cpu()
             self.step_log.append((step, len(toks), len(sched)))
             decoding = {s.index for s, _ in sched if not s.prefilling}
