@@ -28,7 +28,7 @@ import torch
 import batch_invariance_kit
 from batch_invariance_kit.ops import attention as A
 from batch_invariance_kit.serving.model import Qwen3Config, Qwen3Model, param_names
-from batch_invariance_kit.serving.engine import Engine, Request, completion_key, load_experiment
+from batch_invariance_kit.serving.engine import Engine, Request, completion_key, load_experiment, seeded_prompt
 
 BN = A.default_config().block_n
 DENSE = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -39,7 +39,7 @@ MOE = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 
 
 def _prompt(n, seed):
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return seeded_prompt(n, seed, 256)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from batch_invariance_kit.serving.engine import Engine, Request
+from batch_invariance_kit.serving.engine import Engine, Request, seeded_prompt
 from batch_invariance_kit.serving.model import Qwen3Config, Qwen3Model, param_names
 
 transformers = pytest.importorskip("transformers")
@@ -43,7 +43,7 @@ def test_llama_layers_match_transformers(tmp_path):
     Qwen3Model(LLAMA).save_pretrained(folder)
     kit = Qwen3Model.from_pretrained(str(folder))
     assert kit.lm_head is kit.embed
-    prompt = torch.randint(0, LLAMA.vocab_size, (23,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = seeded_prompt(23, 0, LLAMA.vocab_size)
     ours = Engine(kit).run([Request(prompt, 1)])[0].logprob_rows[0].cpu().double()
     hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -13,6 +13,7 @@ import torch
 
 from batch_invariance_kit.ops import attention as A
 from batch_invariance_kit.serving import rl
+from batch_invariance_kit.serving.engine import seeded_prompt
 from batch_invariance_kit.serving.model import Qwen3Config, Qwen3Model
 
 V = 128
@@ -23,7 +24,7 @@ SERVE = dict(chunk_size=BN, prefix_cache=True, max_num_tokens=64)
 
 
 def _prompt(n, seed):
-    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return seeded_prompt(n, seed, V)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from batch_invariance_kit.serving import speculative as SP
-from batch_invariance_kit.serving.engine import Engine, Request, completion_key
+from batch_invariance_kit.serving.engine import Engine, Request, completion_key, seeded_prompt
 from batch_invariance_kit.serving.model import Qwen3Config, Qwen3Model
 
 V = 128
@@ -21,7 +21,7 @@ CFG = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, nu
 
 
 def _prompt(n, seed):
-    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return seeded_prompt(n, seed, V)
 
 
 @pytest.fixture(scope="module")

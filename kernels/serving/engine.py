@@ -52,7 +52,13 @@ import torch
 from ..ops import attention as A
 from .model import Qwen3Model, StepBatch
 
-__all__ = ["Request", "Completion", "Engine", "step_batch", "generate", "completion_key", "load_experiment"]
+__all__ = ["Request", "Completion", "Engine", "step_batch", "generate", "completion_key", "load_experiment",
+           "seeded_prompt"]
+
+
+def seeded_prompt(n: int, seed: int, vocab: int) -> list:
+    """``n`` token ids in ``0..vocab-1`` drawn from ``seed`` (the same ids on every machine)."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @dataclass

@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from ..ops import attention as A
 from .engine import Engine, Request, _randint, step_batch, with_random_load
 from .model import Qwen3Model
 
@@ -76,21 +77,18 @@ def trainer_logprobs(model: Qwen3Model, sequences: list, *, impl="invariant", ma
     dev, bs = model.device, block_size
     out: list = [None] * len(feeds)
     for group in _pack([len(f) for f, _, _ in feeds], max_num_tokens):
-        nblocks = [math.ceil(len(feeds[i][0]) / bs) for i in group]
-        kv = model.new_kv_cache(sum(nblocks), bs)
-        toks, pos, slot, lens, qsl, want = [], [], [], [], [0], []
-        table = torch.zeros((len(group), max(nblocks)), dtype=torch.int32)
-        first = 0
+        lens = [len(feeds[i][0]) for i in group]
+        nblocks = sum(math.ceil(n / bs) for n in lens)
+        kv = model.new_kv_cache(nblocks, bs)
+        table = A.allocate_blocks(lens, bs, nblocks, device="cpu")  # each sequence its own blocks, in order
+        toks, pos, slot, qsl, want = [], [], [], [0], []
         for j, i in enumerate(group):
             feed, lo, n = feeds[i]
-            table[j, :nblocks[j]] = torch.arange(first, first + nblocks[j], dtype=torch.int32)
             toks += feed
             pos += list(range(len(feed)))
-            slot += [first * bs + p for p in range(len(feed))]
+            slot += A.slots(table, j, 0, len(feed), bs).tolist()
             want += [qsl[-1] + p for p in range(lo, lo + n)]
-            lens.append(len(feed))
             qsl.append(qsl[-1] + len(feed))
-            first += nblocks[j]
         batch = step_batch(toks, pos, slot, table, lens, qsl, want, dev)
         lp, h = model.forward(batch, kv, impl=impl, return_hidden=True)
         lp, h = lp.cpu(), h.cpu()
