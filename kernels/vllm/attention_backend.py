@@ -24,9 +24,11 @@ two halves.  The same kernel writes and reads the cache, so the content is the k
 Scope: decoder self-attention (causal; GQA), prefill, decode, mixed batches, chunked prefill and
 prefix caching, any block size that is a multiple of 16, ``kv_cache_dtype="auto"``.  Not
 supported (refused at construction): sliding windows, ALiBi, logit soft-capping, sinks, fp8 KV
-caches, encoder or cross attention.  CUDA graphs: the builder declares no full-graph support
-(vLLM then keeps attention outside its captured pieces); the kit's plan can be padded for graphs
-(``decode_capacity``), which a later builder can use.
+caches, encoder or cross attention.  CUDA graphs: the builder declares no full-graph support,
+so vLLM keeps attention outside its captured pieces (piecewise graphs) and the plan is built in
+Python every step; the kit's plan can be padded to fixed sizes for a full graph
+(``make_plan(decode_capacity=..., max_seq_len=...)``, :meth:`AttnPlan.copy_`), which this builder
+does not use.
 
 :data:`CALLS` counts the builder's plans and the implementation's launches, so a test can prove
 the kit's attention was in the path.  :func:`set_impl` switches every layer to the kit's
