@@ -263,6 +263,7 @@ def test_unreplaced_vllm_gemm_differs_where_the_tiled_one_does_not():
 import json, torch
 import vllm.model_executor.layers.utils as U
 from batch_invariance_kit.ops import fixed_shape as FS
+from batch_invariance_kit.ops import fixed_shape as FS
 from batch_invariance_kit.vllm import plugin as P
 g = torch.Generator().manual_seed(0)
 layer = torch.nn.Module()
@@ -271,7 +272,7 @@ U.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 x = torch.randn(64, 576, generator=g).bfloat16()
 out = {"vllm": [], "kit": []}
 for name, f in (("vllm", lambda t: layer.cpu_linear(t, layer.weight, None)),
-                ("kit", lambda t: tiled(t, layer.weight))):
+                ("kit", lambda t: FS.tiled_linear(t, layer.weight, tm=P.tile_for(layer.weight)))):
     alone = torch.cat([f(x[i:i + 1]) for i in range(64)])
     for m in (2, 5, 8, 16, 33, 64):
         if not torch.equal(f(x[:m]), alone[:m]):
