@@ -381,13 +381,11 @@ def register_linear_layers() -> list:
 
     from ..ops import custom_ops as OPS
 
-    class KitLinearMethod(L.UnquantizedLinearMethod):
-        def apply(self, layer, x, bias=None):
-            return OPS.linear(x, layer.weight, bias)
+    def apply(self, layer, x, bias=None):
+        return OPS.linear(x, layer.weight, bias)
 
-    class KitEmbeddingMethod(V.UnquantizedEmbeddingMethod):
-        def apply(self, layer, x, bias=None):
-            return OPS.linear(x, layer.weight, bias)
+    KitLinearMethod = type("KitLinearMethod", (L.UnquantizedLinearMethod,), {"apply": apply})
+    KitEmbeddingMethod = type("KitEmbeddingMethod", (V.UnquantizedEmbeddingMethod,), {"apply": apply})
 
     def swapped(base, unquantized, kit):
         def __init__(self, *args, **kwargs):
