@@ -1,12 +1,40 @@
-"""Triton helpers shared by the kit's kernels: exact moves between 16-bit floats and fp32, and
-the tile product every GEMM of the kit accumulates with.
+"""Triton helpers shared by the kit's kernels: exact moves between 16-bit floats and fp32, the
+tile product every GEMM of the kit accumulates with, and that product's arithmetic under the
+Triton interpreter.
 
 The Triton interpreter's own bf16 casts are unsafe (its fp32 -> bf16 cast truncates, and
 bf16 subnormals are mangled), so bf16 travels through its bits; on a GPU these compile to the
 same few integer instructions and give the IEEE result too.
+
+**The interpreter's tile product.**  Triton's interpreter computes ``tl.dot`` as numpy's
+``matmul`` of the two tiles, i.e. the BLAS numpy was built with (OpenBLAS in numpy's wheels).
+BLAS picks its kernel from the number of rows (a 1-row product is a GEMV, 16 rows a GEMM
+micro-kernel), from the CPU (each ISA level has its own kernels) and from the thread setting, and
+each kernel sums a row's products in its own order: on some machines row 0 of a 1..8-row product
+differs in its last bits from row 0 of the same product with 16 rows.  That is the batch variance
+this kit is about, inside the interpreter, and whether a machine shows it is luck.  So when the
+kit runs under the interpreter, :func:`fixed_order_matmul` replaces it (:func:`tile_product`
+switches; ``"fixed"`` is the default, ``"blas"`` is numpy's ``matmul``, kept as the variant twin
+of the tests and of chapter 1).  Every output element is computed from its own row of ``a`` and
+column of ``b`` in one documented order, with nothing but IEEE fp32 multiplies and adds (numpy's
+elementwise ufuncs, exact on every CPU), so its bits are the same for any tile height, on any
+CPU, BLAS build and thread count:
+
+1. ``p[k] = a[i, k] * b[k, j]`` rounded to fp32 (exact for 16-bit inputs widened to fp32);
+2. ``K`` padded with zero products to a power of two, then folded in halves,
+   ``p[k] = p[k] + p[k + K/2]`` for ``k < K/2``, until one value is left;
+3. the accumulator added last: ``acc + p[0]``.
+
+On a GPU ``tl.dot`` is the tensor cores' (or, for ``input_precision="ieee"``, the FMA units')
+order, fixed by the tile shape alone; nothing here touches the compiled path.
 """
+import contextlib
+
+import numpy as np
 import triton
 import triton.language as tl
+
+from ..device import INTERPRET
 
 
 @triton.jit
@@ -45,3 +73,72 @@ def dot_acc(a, b, acc, UPCAST: tl.constexpr):
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+def fixed_order_matmul(a: np.ndarray, b: np.ndarray, acc: np.ndarray | None = None) -> np.ndarray:
+    """``acc + a @ b`` for 2-D (or batched 3-D) float arrays in the order of the module docstring:
+    fp32 products (fp64 when either input is fp64), a halving tree over ``k`` in index order, the
+    accumulator last.  Each output element depends on its own row and column only."""
+    if a.ndim not in (2, 3) or b.ndim != a.ndim or a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"a and b: shapes {a.shape} and {b.shape} do not multiply")
+    ct = np.float64 if np.float64 in (a.dtype, b.dtype) else np.float32
+    a = a.astype(ct, copy=False)
+    b = b.astype(ct, copy=False)
+    if a.ndim == 3:
+        out = np.stack([fixed_order_matmul(a[i], b[i]) for i in range(a.shape[0])])
+    else:
+        k = a.shape[1]
+        p = a.T[:, :, None] * b[:, None, :]  # (K, M, N): each fold adds two contiguous slabs
+        width = 1 << max(k - 1, 0).bit_length()
+        if width != k:
+            p = np.concatenate([p, np.zeros((width - k,) + p.shape[1:], dtype=ct)])
+        while width > 1:
+            width //= 2
+            p = p[:width] + p[width:]
+        out = p[0] if k else np.zeros((a.shape[0], b.shape[1]), dtype=ct)
+    return out if acc is None else acc + out.astype(acc.dtype, copy=False)
+
+
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_PRODUCT = {"kind": "fixed"}
+
+
+def _interpreter_dot(blas_dot):
+    """The interpreter builder's ``create_dot``, with :func:`fixed_order_matmul` for float tiles
+    (integer and 8-bit float tiles, which the kit's kernels never multiply, keep Triton's own)."""
+    from triton.runtime.interpreter import TensorHandle
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        if (_PRODUCT["kind"] == "blas" or a.data.dtype not in _FLOATS or b.data.dtype not in _FLOATS
+                or d.data.dtype not in _FLOATS):
+            return blas_dot(self, a, b, d, *args, **kwargs)
+        return TensorHandle(fixed_order_matmul(a.data, b.data, d.data), d.dtype.scalar)
+
+    create_dot.kit_fixed_order = True
+    return create_dot
+
+
+def _install_interpreter_dot() -> None:
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    if not getattr(InterpreterBuilder.create_dot, "kit_fixed_order", False):
+        InterpreterBuilder.create_dot = _interpreter_dot(InterpreterBuilder.create_dot)
+
+
+@contextlib.contextmanager
+def tile_product(kind: str):
+    """Within the block, the Triton interpreter multiplies tiles with ``kind``: ``"fixed"``
+    (:func:`fixed_order_matmul`, the default) or ``"blas"`` (numpy's ``matmul``, whose per-row
+    bits may follow the tile height: the variant twin).  No effect on compiled kernels."""
+    if kind not in ("fixed", "blas"):
+        raise ValueError(f"kind: expected 'fixed' or 'blas', got {kind!r}")
+    old = _PRODUCT["kind"]
+    _PRODUCT["kind"] = kind
+    try:
+        yield
+    finally:
+        _PRODUCT["kind"] = old
+
+
+if INTERPRET:
+    _install_interpreter_dot()
