@@ -59,6 +59,7 @@ import torch
 
 from .. import checks
 from ..device import INTERPRET
+from ..verify.planted import planted
 
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
@@ -540,6 +541,8 @@ def _launch(a3, b3, out3, bias2, impl, config):
         if bias2 is not None:
             out3.add_(bias2)
         return
+    if impl == "invariant" and planted("matmul"):
+        impl = "variant"  # KIT_PLANT_VARIANT=matmul: the fault the book's claims must catch
     dtype = a3.dtype
     cfg = _resolve_config(config, M, N, K, dtype)
     bk = block_k(dtype)

@@ -30,6 +30,10 @@ __all__ = [
     "first_divergence",
     "row_maker",
     "seeded_normal",
+    "ClaimFailed",
+    "claim",
+    "claim_invariant",
+    "claim_caught",
 ]
 
 _INT_OF = {
@@ -164,6 +168,39 @@ class InvarianceReport:
 
     def __bool__(self) -> bool:  # so that ``assert report`` reads naturally
         return self.passed
+
+
+class ClaimFailed(AssertionError):
+    """A fact a chapter states does not hold on the present device: the cell (and with it the
+    book's build or its nbval run) stops instead of publishing a contradicted claim."""
+
+
+def claim(statement: str, holds, detail: str = "") -> None:
+    """Print ``"<statement>: True"`` if ``holds``; otherwise raise :class:`ClaimFailed` naming the
+    statement, the device and ``detail``.  Chapters state their facts through this (or the two
+    helpers below), so what they print is what they asserted."""
+    if not bool(holds):
+        from ..device import describe
+
+        raise ClaimFailed(f"claim failed on {describe()}: {statement}" + (f" ({detail})" if detail else ""))
+    print(f"{statement}: True")
+
+
+def claim_invariant(label: str, report: InvarianceReport) -> None:
+    """Print ``"<label>: <report summary>"`` for a report that must pass (every row bitwise equal
+    to the row alone); raise :class:`ClaimFailed` with the summary otherwise."""
+    if report.checks == 0 or not report.passed:
+        from ..device import describe
+
+        raise ClaimFailed(f"claim failed on {describe()}: {label} is bitwise invariant ({report.summary()})")
+    print(f"{label}: {report.summary()}")
+
+
+def claim_caught(label: str, report: InvarianceReport) -> None:
+    """Print ``"<label> caught: True"`` for a variant twin's report, which must fail (the negative
+    control); raise :class:`ClaimFailed` if the check found no difference."""
+    claim(f"{label} caught", report.checks > 0 and not report.passed,
+          f"the variant twin passed the same check: {report.summary()}")
 
 
 def _as_tuple(x) -> tuple:
