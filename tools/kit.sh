@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The kit's two entry points (README.md):
 #   bash tools/kit.sh book   # set up, then build the book, executing every chapter on the present device
-#   bash tools/kit.sh test   # set up, then run the kernel tests and nbval over every chapter
+#   bash tools/kit.sh test   # set up, then run the kernel tests and nbval over every chapter, on every core
 # Set-up is idempotent: a virtual environment in .venv (it sees the system's packages, so a
 # GPU box's own torch/triton are used as they are); on a machine without torch it installs
 # torch 2.13.0 (on this project's CPU machines that is the CPU build on disk).  Without CUDA it
@@ -44,7 +44,9 @@ case "${1:-}" in
     ;;
   test)
     setup
-    .venv/bin/python -m pytest tests book --nbval --nbval-sanitize-with book/sanitize.cfg -p no:cacheprovider "${@:2}"
+    # every core: pytest-xdist, one test file or notebook per worker (later -n/--dist arguments win)
+    .venv/bin/python -m pytest -n auto --dist loadfile tests book --nbval --nbval-sanitize-with book/sanitize.cfg \
+      -p no:cacheprovider "${@:2}"
     ;;
   *)
     echo "usage: bash tools/kit.sh book|test [pytest args]" >&2
