@@ -1,11 +1,13 @@
-"""The Triton interpreter's tile product (``tl.dot``) owes nothing to BLAS.
+"""The arithmetic the CPU proofs stand on is the same on every CPU.
 
+The Triton interpreter's tile product (``tl.dot``) owes nothing to BLAS.
 Under the interpreter the kit multiplies tiles with :func:`tl_numerics.fixed_order_matmul`: each
 output element from its own row and column in one documented order.  These tests pin that order,
 show it does not move with the tile's row count, the CPU's BLAS kernel, its thread count or
 numpy's SIMD level (subprocesses with ``OPENBLAS_CORETYPE``, ``OPENBLAS_NUM_THREADS`` and
 ``NPY_DISABLE_CPU_FEATURES``), and keep numpy's own ``matmul`` as the variant twin that the same
-invariance check catches on at least one OpenBLAS kernel.
+invariance check catches on at least one OpenBLAS kernel.  The interpreter's row sums and the vLLM
+CPU plugin's fixed-shape GEMM tiles are checked the same way.
 """
 from __future__ import annotations
 
@@ -176,3 +178,48 @@ def test_blas_tile_product_is_caught_and_the_fixed_order_passes_under_every_blas
             break  # caught: the twin is batch-variant on this machine under this setting
     assert any(not r["blas"] for r in results.values()), \
         f"numpy.matmul as the tile product passed under every OpenBLAS setting tried: {results}"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's tl.sum: CPU (Triton interpreter) only")
+def test_interpreter_row_sum_does_not_depend_on_the_tile_height():
+    """``tl.sum`` along a tile's rows is numpy's reduction along one axis: a row's order follows
+    that axis's length, never the number of rows beside it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def row_sum_kernel(x_ptr, y_ptr, ROWS: tl.constexpr, W: tl.constexpr):
+        r, c = tl.arange(0, ROWS), tl.arange(0, W)
+        x = tl.load(x_ptr + r[:, None] * W + c[None, :])
+        tl.store(y_ptr + r, tl.sum(x * x, axis=1))
+
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(2))
+    full = torch.empty(16)
+    row_sum_kernel[(1,)](x, full, ROWS=16, W=1024)
+    for rows in (1, 2, 8):
+        part = torch.empty(rows)
+        row_sum_kernel[(1,)](x[:rows].contiguous(), part, ROWS=rows, W=1024)
+        assert part.numpy().tobytes() == full[:rows].numpy().tobytes(), rows
+
+
+_CPU_PLUGIN_CHECK = textwrap.dedent("""
+    import torch
+    from batch_invariance_kit.ops import fixed_shape as FS
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=g).to(torch.bfloat16)
+    x = torch.randn(37, 256, generator=g).to(torch.bfloat16)
+    tm = 16 if FS.tile_is_position_free(w, 16) else 1
+    full = FS.tiled_linear(x, w, tm=tm)
+    ok = all(torch.equal(FS.tiled_linear(x[i:i + n], w, tm=tm), full[i:i + n]) for i, n in ((0, 1), (5, 3), (20, 17)))
+    print(ok)
+""")
+
+
+def test_cpu_plugin_gemm_tiles_are_invariant_under_other_cpu_settings():
+    """The vLLM CPU plugin's GEMMs (fixed-shape tiles, :mod:`batch_invariance_kit.ops.fixed_shape`)
+    stay batch-invariant with one thread and with MKL held to AVX2 kernels."""
+    for extra in ({"OMP_NUM_THREADS": "1"}, {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "2"}):
+        out = subprocess.run([sys.executable, "-c", _CPU_PLUGIN_CHECK], env={**os.environ, **extra},
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, (extra, out.stderr[-2000:])
+        assert out.stdout.strip().splitlines()[-1] == "True", extra
