@@ -307,6 +307,7 @@ def sampler_trainer_figure(runs: list):
     if len(nz):
         bins = np.logspace(np.log10(nz.min()) - 0.2, np.log10(nz.max()) + 0.2, 20)
         axes[0].hist(nz, bins=bins, color=COLORS["variant"], alpha=0.8, label=f"variant: {len(nz)} of {len(d)} tokens")
+        axes[0].legend(fontsize=8)
     axes[0].set_xscale("log")
     axes[0].set_xlabel("|Δ log-prob| of the sampled token")
     axes[0].set_ylabel("tokens")
@@ -315,7 +316,6 @@ def sampler_trainer_figure(runs: list):
         n0 = sum(int((r["logprob_diff"] == 0).sum()) for r in inv)
         axes[0].set_title(f"sampler vs trainer (invariant: Δ = 0 for {n0} of "
                           f"{sum(len(r['logprob_diff']) for r in inv)} tokens)", fontsize=9)
-    axes[0].legend(fontsize=8)
     for impl in ("variant", "invariant"):
         rs = sorted((r for r in runs if r["impl"] == impl), key=lambda r: r["mean_seqs_per_step"])
         if not rs:
