@@ -3,7 +3,9 @@ run is reproducible): the plans that decide which program sums what, in which or
 
 * attention: a row's split size is a function of its position (never of the batch); the
   plan's tiles cover every token exactly once; the merge workspace ranks are a permutation;
-  decode plans of one capacity have one size (a CUDA graph replays any of them);
+  decode plans of one capacity have one size (a CUDA graph replays any of them); the planner's
+  whole-array construction gives the plan of the loop planner (``attention_plan_reference``),
+  field by field, for decode, prefill and mixed steps;
 * matmul: the config is a function of (N, K, dtype, M's table row); the K chunks of the
   invariant order cover K exactly once, in order, the same chunks for every M and config;
 * MoE: ``dispatch`` is a permutation of the (token, rank) rows, every pair exactly once, each
@@ -22,6 +24,9 @@ from batch_invariance_kit.ops import attention as A
 from batch_invariance_kit.ops import matmul as MM
 from batch_invariance_kit.ops import moe
 from batch_invariance_kit.verify import emulator
+
+from attention_plan_reference import (assert_same_plan, reference_make_plan, reference_max_splits_upto,
+                                      reference_split_plan)
 
 PROPS = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -158,6 +163,92 @@ def test_decode_plans_of_one_capacity_are_interchangeable(cfg, capacity, max_len
         assert len(merge) == (0 if p.decode.serial else capacity) and set(merge[len(lens):]) <= {-1}
     plans[0].copy_(plans[1])
     assert all(torch.equal(a, b) for a, b in zip(plans[0].tensors(), plans[1].tensors()))
+
+
+#: The planner's configs: the shipped ones, one-token steps in the multi-token tiles, one split
+#: size and never serial, and splits that are not powers of two with a low serial threshold.
+PLANNER_CONFIGS = [pytest.param(c, id=f"shipped-block_n{c.block_n}") for c in ATTN_CONFIGS] + [
+    pytest.param(A.AttnConfig(decode_block_m=None), id="no-decode-tiles"),
+    pytest.param(A.AttnConfig(split_target=None, serial_programs=None), id="one-split-size"),
+    pytest.param(A.AttnConfig(block_n=32, block_m=128, split_size=96, split_target=3, serial_programs=64),
+                 id="split96-serial64"),
+]
+
+
+@st.composite
+def planner_steps(draw, cfg):
+    """A step for the planner: decode only, prefill only or mixed, sequences in any order with
+    padding entries (0 new tokens) among them; contexts that cross every split-size edge; the
+    head layout, impl, fixed sizes (``decode_capacity``, ``max_seq_len``) and the form of the
+    metadata (lists, int32 or int64 tensors) drawn too."""
+    top = 24 * cfg.split_size
+    kind = draw(st.sampled_from(["decode", "prefill", "mixed"]))
+    counts = {"decode": ((1, 96), (0, 0), (0, 4)), "prefill": ((0, 0), (1, 3), (0, 1)),
+              "mixed": ((1, 24), (1, 4), (0, 3))}[kind]
+    roles = [r for r, (lo, hi) in zip(("decode", "chunk", "pad"), counts) for _ in range(draw(st.integers(lo, hi)))]
+    lens, qls = [], []
+    for role in draw(st.permutations(roles)):
+        n = draw(st.integers(0 if role == "pad" else 1, top))
+        if role == "chunk":  # a whole prompt from position 0, or a chunk ending anywhere
+            q = n if n <= 1500 and draw(st.booleans()) else draw(st.integers(1, min(n, 1500)))
+        else:
+            q = 1 if role == "decode" else 0
+        lens.append(n)
+        qls.append(q)
+    qsl = [0]
+    for q in qls:
+        qsl.append(qsl[-1] + q)
+    heads = draw(st.sampled_from([(32, 8), (8, 2), (4, 4), (6, 2), (8, 1), (16, 16)]))
+    kw = dict(q_heads=heads[0], kv_heads=heads[1], head_dim=draw(st.sampled_from([16, 64, 80, 128, 256])),
+              impl=draw(st.sampled_from(["invariant", "variant"])))
+    if draw(st.booleans()):
+        kw["decode_capacity"] = max(1, sum(q == 1 for q in qls) + draw(st.integers(0, 8)))
+    if draw(st.booleans()):
+        kw["max_seq_len"] = max(lens + [1]) + draw(st.integers(0, top))
+    form = draw(st.sampled_from([list, torch.int32, torch.int64]))
+    return lens, qsl, kw, form
+
+
+@pytest.mark.parametrize("cfg", PLANNER_CONFIGS)
+@PROPS
+@given(data=st.data())
+def test_make_plan_equals_the_loop_planner(cfg, data):
+    """The planner builds, from whole-array operations, exactly the plan of the loop planner:
+    every tensor bitwise (dtype, device, values), every size, flag and launch setting."""
+    lens, qsl, kw, form = data.draw(planner_steps(cfg))
+    ref = reference_make_plan(lens, qsl, config=cfg, device="cpu", **kw)
+    meta = (lens, qsl) if form is list else (torch.tensor(lens, dtype=form), torch.tensor(qsl, dtype=form))
+    assert_same_plan(A.make_plan(*meta, config=cfg, device="cpu", **kw), ref)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
+@pytest.mark.parametrize("decodes, chunk", [(3, 40), (3, 600), (60, 40), (60, 600)])
+def test_make_plan_equals_the_loop_planner_in_every_launch_mode(decodes, chunk, padded):
+    """Mixed steps whose multi-token and decode launches are each parallel or serial (all four
+    pairs), so the workspace holds every token, those of one launch, or none."""
+    cfg = A.AttnConfig(block_n=32, block_m=128, split_size=96, split_target=3, serial_programs=32)
+    rng = np.random.default_rng(decodes + chunk)
+    lens = [int(n) for n in rng.integers(1, 4000, decodes)] + [chunk + 77]
+    qls = [1] * decodes + [chunk]
+    qsl = [0] + np.cumsum(qls).tolist()
+    kw = dict(q_heads=8, kv_heads=1, head_dim=64, config=cfg, device="cpu")
+    if padded:
+        kw.update(decode_capacity=decodes + 5, max_seq_len=4000)
+    ref = reference_make_plan(lens, qsl, **kw)
+    assert (ref.tiles.serial, ref.decode.serial) == (chunk > 100, decodes > 10)
+    assert_same_plan(A.make_plan(torch.tensor(lens), torch.tensor(qsl), **kw), ref)
+
+
+@pytest.mark.parametrize("cfg", PLANNER_CONFIGS)
+@PROPS
+@given(pos=st.lists(st.integers(0, 1 << 20), min_size=1, max_size=40), n=st.integers(1, 1 << 15),
+       kv_heads=st.integers(1, 8), impl=st.sampled_from(["invariant", "variant"]))
+def test_vectorised_split_rules_equal_the_scalar_rule(cfg, pos, n, kv_heads, impl):
+    """The planner's whole-array split sizes are :func:`split_size_at` at every position; its
+    workspace bound (the most splits below a context) and :func:`split_plan` those of the loops."""
+    assert A._split_sizes(np.array(pos), cfg).tolist() == [A.split_size_at(p, cfg) for p in pos]
+    assert A._max_splits_upto(n, cfg) == reference_max_splits_upto(n, cfg)
+    assert A.split_plan(pos, kv_heads, impl=impl, config=cfg) == reference_split_plan(pos, kv_heads, impl, cfg)
 
 
 # --------------------------------------------------------------------------------------------

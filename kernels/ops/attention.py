@@ -89,8 +89,12 @@ Planning once per step
 ----------------------
 :func:`make_plan` builds everything a launch needs besides the tensors (query tiles, per-token
 positions and split sizes, the workspace) from the step's *host* metadata (``seq_lens`` and
-``query_start_loc`` as lists or CPU tensors: vLLM keeps such copies).  Every layer of a step
-reuses the plan (``attention(..., plan=plan)``): no device-to-host copy per layer.  With
+``query_start_loc`` as lists or CPU tensors: vLLM keeps such copies).  It works on whole NumPy
+arrays of the step's sequences, tiles and tokens (the split size of a position is a table
+lookup, :func:`split_size_at` tabulated once per config), with no Python loop over any of them,
+and moves the plan's index tensors to the device in one copy: tens of microseconds for a decode
+step of hundreds of sequences (``python -m batch_invariance_kit.bench.host``).  Every layer of a
+step reuses the plan (``attention(..., plan=plan)``): no device-to-host copy per layer.  With
 ``decode_capacity`` and ``max_seq_len`` the decode part of the plan has fixed sizes (padding
 tiles of zero rows run no loop iteration and store nothing; padding merge entries are
 skipped), so a decode launch can be captured once in a CUDA graph and replayed with the plan's
@@ -119,11 +123,13 @@ Triton, where the interpreter never takes that branch).
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .. import checks
@@ -252,9 +258,14 @@ def query_tile(q_heads: int, kv_heads: int, config: AttnConfig | None = None, *,
     batch.  ``q_tile`` divides ``block_n`` (both powers of two, ``q_tile <= block_n``)."""
     cfg = _cfg(config)
     bm = cfg.decode_block_m if decode and cfg.decode_block_m is not None else cfg.block_m
-    qpk_pad = triton.next_power_of_2(q_heads // kv_heads)
+    qpk_pad = _next_pow2(q_heads // kv_heads)
     q_tile = max(1, min(bm // qpk_pad, cfg.block_n)) if qpk_pad <= bm else 1
     return q_tile, qpk_pad
+
+
+def _next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
 
 
 def _num_sms() -> int:
@@ -281,13 +292,48 @@ def split_plan(seq_lens, kv_heads: int, *, impl: str = "invariant", config: Attn
     (num_seqs*kv_heads))``, ``split = ceil(ceil(seq_len / num_splits) / block_n) * block_n``:
     it depends on the batch."""
     cfg = _cfg(config)
-    lens = [int(x) for x in seq_lens]
-    if impl == "invariant":
-        return [split_size_at(max(n - 1, 0), cfg) for n in lens]
-    if impl != "variant":
+    if impl not in ("invariant", "variant"):
         raise ValueError(f"split_plan: impl must be 'invariant' or 'variant', got {impl!r}")
+    return _seq_splits(_host_ints("seq_lens", seq_lens), kv_heads, impl, cfg).tolist()
+
+
+@functools.lru_cache(maxsize=None)
+def _split_steps(cfg: AttnConfig) -> tuple:
+    """:func:`split_size_at` as a step function of the position: ``(edges, sizes, table)``.
+    ``sizes[k]`` holds from position ``edges[k - 1]`` (0 for ``k = 0``) up to ``edges[k]``
+    (the last size for ever): a row in KV tile ``t`` spans ``t + 1`` tiles, more than
+    ``split_target * 2**i`` of them from ``t = split_target * 2**i`` on, where its splits
+    double, up to ``split_size``.  ``table``: the size at every position up to the last edge
+    (int32; ``None`` past ``2**20`` positions)."""
+    bn, top = cfg.block_n, cfg.split_size
+    edges, sizes = [], [top if cfg.split_target is None else min(top, bn)]
+    while sizes[-1] < top:
+        edges.append(cfg.split_target * bn << len(edges))
+        sizes.append(min(top, bn << len(edges)))
+    end = edges[-1] + 1 if edges else 1
+    table = np.repeat(np.array(sizes, dtype=np.int32), np.diff([0, *edges, end])) if end <= 1 << 20 else None
+    return np.array(edges, dtype=np.int64), np.array(sizes, dtype=np.int32), table
+
+
+def _split_sizes(pos: np.ndarray, cfg: AttnConfig) -> np.ndarray:
+    """:func:`split_size_at` of every position of ``pos`` (>= 0), vectorised (int32)."""
+    edges, sizes, table = _split_steps(cfg)
+    if table is None:
+        return sizes[np.searchsorted(edges, pos, side="right")]
+    return table.take(np.minimum(pos, len(table) - 1))
+
+
+def _seq_splits(lens: np.ndarray, kv_heads: int, impl: str, cfg: AttnConfig) -> np.ndarray:
+    """:func:`split_plan` of the host array ``lens`` (int64)."""
+    if impl == "invariant":
+        return _split_sizes(np.maximum(lens - 1, 0), cfg)
     num_splits = max(1, (2 * _num_sms()) // max(1, len(lens) * kv_heads))
-    return [max(1, triton.cdiv(triton.cdiv(n, num_splits), cfg.block_n)) * cfg.block_n for n in lens]
+    return np.maximum(1, _cdiv(_cdiv(lens, num_splits), cfg.block_n)) * cfg.block_n
+
+
+def _cdiv(a, b):
+    """``ceil(a / b)`` of integers or integer arrays."""
+    return -(-a // b)
 
 
 # --------------------------------------------------------------------------------------------
@@ -852,35 +898,66 @@ def _host_list(name, x) -> list:
         raise TypeError(f"{name} must be a list of ints or a 1-D integer tensor, got {type(x).__name__}") from None
 
 
-def _check_metadata(lens: list, qsl: list, num_tokens: int | None = None) -> None:
-    """The step's host metadata: ``query_start_loc`` from 0 to ``num_tokens``, non-decreasing
-    (a sequence may have 0 new tokens: padding), each ``q_len <= seq_len``."""
+def _host_ints(name, x) -> np.ndarray:
+    """``x`` (a list of ints, a NumPy array or a 1-D integer tensor) as a 1-D int64 host array
+    of values an int32 holds (the plan's dtype)."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.dtype.is_floating_point or x.dtype.is_complex:
+            raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints, got {x.dtype} {tuple(x.shape)}")
+        a = (x if x.is_cpu else x.cpu()).numpy()
+    else:
+        try:
+            a = np.asarray(x)
+        except (TypeError, ValueError, OverflowError):
+            a = None
+        if a is None or a.ndim != 1 or a.dtype.kind not in "iub" or not a.size:
+            a = np.array(_host_list(name, x), dtype=np.int64)  # anything else: int() of each entry
+    if a.dtype.itemsize > 4 or a.dtype.kind == "u" and a.dtype.itemsize == 4:
+        if a.size and a.max() > _INT32_MAX:
+            raise ValueError(f"{name} holds {a.max()}, more than an int32 holds")
+    return a.astype(np.int64, copy=False)
+
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _check_metadata(lens: np.ndarray, qsl: np.ndarray, num_tokens: int | None = None) -> tuple:
+    """The step's host metadata (int64 arrays): ``query_start_loc`` from 0 to ``num_tokens``,
+    non-decreasing (a sequence may have 0 new tokens: padding), each ``q_len <= seq_len``.
+    Returns ``(q_len, first)`` per sequence: its new tokens and the position of the first."""
     if len(qsl) != len(lens) + 1:
         raise ValueError(f"query_start_loc must have num_seqs + 1 = {len(lens) + 1} entries, got {len(qsl)}")
     end = qsl[-1] if num_tokens is None else num_tokens
     if qsl[0] != 0 or qsl[-1] != end:
         raise ValueError(f"query_start_loc must start at 0 and end at num_tokens={end}, got {qsl[0]}..{qsl[-1]}")
-    for s in range(len(lens)):
-        ql = qsl[s + 1] - qsl[s]
-        if ql < 0:
-            raise ValueError(f"query_start_loc must not decrease: sequence {s} has {ql} query tokens")
-        if ql > lens[s]:
-            raise ValueError(f"seq_lens[{s}]={lens[s]} is shorter than its {ql} query tokens")
+    ql = qsl[1:] - qsl[:-1]
+    first = lens - ql
+    low = np.minimum(ql, first)
+    if len(low) and low[low.argmin()] < 0:
+        s = int((low < 0).argmax())
+        if ql[s] < 0:
+            raise ValueError(f"query_start_loc must not decrease: sequence {s} has {ql[s]} query tokens")
+        raise ValueError(f"seq_lens[{s}]={lens[s]} is shorter than its {ql[s]} query tokens")
+    return ql, first
 
 
-def _check_blocks(block_table, lens: list, nb: int, bs: int) -> None:
-    cap = block_table.shape[1] * bs
-    for s, n in enumerate(lens):
-        if n > cap:
-            raise ValueError(f"seq_lens[{s}]={n} is longer than the cache can hold for it: block_table has "
-                             f"{block_table.shape[1]} blocks of {bs}")
-        if n == 0:
-            continue
-        used = block_table[s, :triton.cdiv(n, bs)]
-        lo, hi = int(used.min()), int(used.max())
-        if lo < 0 or hi >= nb:
-            j = int(((used < 0) | (used >= nb)).nonzero()[0])
-            raise ValueError(f"block_table[{s}, {j}] = {int(used[j])} is out of range: the cache has {nb} blocks")
+def _check_blocks(block_table, lens: np.ndarray, nb: int, bs: int) -> None:
+    """Every block a sequence's ``seq_lens`` entry uses is a block of the cache (one pass over
+    the table on its device)."""
+    width = block_table.shape[1]
+    cap = width * bs
+    need = torch.from_numpy(_cdiv(lens, bs)).to(block_table.device)
+    used = torch.arange(width, device=block_table.device) < need[:, None]
+    bad = used & ((block_table < 0) | (block_table >= nb))
+    bad_seq = bad.any(1).cpu().numpy() | (lens > cap)
+    if bad_seq.any():
+        s = int(bad_seq.argmax())
+        if lens[s] > cap:
+            raise ValueError(f"seq_lens[{s}]={lens[s]} is longer than the cache can hold for it: block_table has "
+                             f"{width} blocks of {bs}")
+        j = int(bad[s].nonzero()[0])
+        raise ValueError(f"block_table[{s}, {j}] = {int(block_table[s, j])} is out of range: the cache has {nb} "
+                         f"blocks")
 
 
 def gather_kv(k_cache, v_cache, block_table, seq: int, length: int) -> tuple:
@@ -1002,9 +1079,36 @@ class AttnPlan:
 
 
 def _max_splits_upto(n: int, cfg: AttnConfig) -> int:
-    """The most splits a row at a position ``< n`` has under the invariant schedule."""
-    ends = {min(j * cfg.block_n + cfg.block_n, n) - 1 for j in range(triton.cdiv(n, cfg.block_n))}
-    return max([p // split_size_at(p, cfg) + 1 for p in ends] or [1])
+    """The most splits a row at a position ``< n`` has under the invariant schedule: where the
+    split size holds (:func:`_split_steps`), ``p // size + 1`` grows with ``p``, so the last
+    position below ``n`` of each stretch has its most."""
+    edges, sizes, _ = _split_steps(cfg)
+    starts, ends = [0, *edges.tolist()], [*edges.tolist(), n]
+    return max([(min(e, n) - 1) // int(sz) + 1 for a, e, sz in zip(starts, ends, sizes) if a < n] or [1])
+
+
+def _device_ints(pieces: list, sizes: list, device: torch.device) -> list:
+    """Int32 tensors on ``device`` of lengths ``sizes``, holding the host integer arrays
+    ``pieces`` laid end to end (a tensor may span several pieces): views of one buffer, moved in
+    one copy (:func:`_aligned` off the CPU)."""
+    buf = np.concatenate(pieces, dtype=np.int32)
+    if device.type == "cpu":  # the interpreter: no alignment enters
+        return torch.from_numpy(buf).split_with_sizes(sizes)
+    buf, padded = _aligned(buf, sizes)
+    return torch.from_numpy(buf).to(device).split_with_sizes(padded)[::2]
+
+
+def _aligned(buf: np.ndarray, sizes: list) -> tuple:
+    """``buf`` (int32) with zeros after each of its consecutive parts of ``sizes``, so that every
+    part starts on a 16-byte boundary, as a tensor of its own would (Triton specialises a
+    compiled kernel on its pointer arguments' alignment); and the sizes of parts and gaps."""
+    gaps = [-n % 4 for n in sizes]
+    out = np.zeros(len(buf) + sum(gaps), dtype=np.int32)
+    src = dst = 0
+    for n, gap in zip(sizes, gaps):  # one slice per tensor of the plan
+        out[dst:dst + n] = buf[src:src + n]
+        src, dst = src + n, dst + n + gap
+    return out, [n for pair in zip(sizes, gaps) for n in pair]
 
 
 def make_plan(seq_lens, query_start_loc, *, q_heads: int, kv_heads: int, head_dim: int, impl: str = "invariant",
@@ -1017,7 +1121,10 @@ def make_plan(seq_lens, query_start_loc, *, q_heads: int, kv_heads: int, head_di
     (variant).  ``decode_capacity``: pad the one-token tiles to this many (and the merge to as
     many tokens) and ``max_seq_len``: size the workspace for contexts up to it, so that plans of
     steps with up to ``decode_capacity`` one-token sequences have the same sizes
-    (:meth:`AttnPlan.copy_`, CUDA graphs)."""
+    (:meth:`AttnPlan.copy_`, CUDA graphs).
+
+    Built from whole-array NumPy operations on the step's sequences, tiles and tokens (no
+    Python loop over any of them) and moved to ``device`` in one copy."""
     cfg = _cfg(config)
     if impl not in ("invariant", "variant"):
         raise ValueError(f"make_plan: impl must be 'invariant' or 'variant', got {impl!r}")
@@ -1027,72 +1134,92 @@ def make_plan(seq_lens, query_start_loc, *, q_heads: int, kv_heads: int, head_di
         raise ValueError(f"q_heads={q_heads} must be a multiple of kv_heads={kv_heads} (GQA)")
     _pos_int("decode_capacity", decode_capacity, none_ok=True)
     _pos_int("max_seq_len", max_seq_len, none_ok=True)
-    lens, qsl = _host_list("seq_lens", seq_lens), _host_list("query_start_loc", query_start_loc)
-    _check_metadata(lens, qsl)
-    if max_seq_len is not None and max(lens + [0]) > max_seq_len:
-        raise ValueError(f"seq_lens holds {max(lens)} > max_seq_len={max_seq_len}")
+    lens, qsl = _host_ints("seq_lens", seq_lens), _host_ints("query_start_loc", query_start_loc)
+    ql, first = _check_metadata(lens, qsl)
+    if max_seq_len is not None and lens.size and lens.max() > max_seq_len:
+        raise ValueError(f"seq_lens holds {lens.max()} > max_seq_len={max_seq_len}")
     dev = DEVICE if device is None else torch.device(device)
-    T = qsl[-1]
+    S, T = len(lens), int(qsl[-1])
     q_tile, qpk_pad = query_tile(q_heads, kv_heads, cfg)
     dec_q_tile, _ = query_tile(q_heads, kv_heads, cfg, decode=True)
-    split = split_plan(lens, kv_heads, impl=impl, config=cfg)
-    if impl == "invariant":
-        size_at = lambda s, pos: split_size_at(pos, cfg)  # noqa: E731
+    invariant = impl == "invariant"
+    seq_split = None if invariant else _seq_splits(lens, kv_heads, impl, cfg)
+    start = qsl[:-1]  # per sequence: its first token (at position ``first``)
+    # one-token steps: in decode tiles (one tile each) when the config has them
+    one = ql == 1 if cfg.decode_block_m is not None else np.zeros(S, dtype=bool)
+    n_dec = int(np.count_nonzero(one))
+    d_seq = np.arange(S) if n_dec == S else np.flatnonzero(one)
+    d_tok = start[d_seq]
+    d_pos = first[d_seq]
+    d_split = _split_sizes(d_pos, cfg) if invariant else seq_split[d_seq]
+    decode = [d_seq, d_tok, np.ones(n_dec, dtype=np.int32), d_pos, d_split]
+    # the other steps: tiles cut at the multiples of q_tile of the position (a power of two),
+    # with the split size of their last row
+    if n_dec < T:
+        shift = q_tile.bit_length() - 1
+        grid0 = first >> shift  # grid tile of each sequence's first token
+        n_tiles = np.where((ql > 0) & ~one, ((lens - 1) >> shift) - grid0 + 1, 0)
+        seq = np.repeat(np.arange(S), n_tiles)
+        grid = np.arange(len(seq)) + np.repeat(grid0 - (np.cumsum(n_tiles) - n_tiles), n_tiles)
+        lo = np.maximum(grid << shift, first[seq])
+        hi = np.minimum((grid + 1) << shift, lens[seq])
+        tok = lo + (start - first)[seq]
+        tiles = [seq, tok, hi - lo, lo, _split_sizes(hi - 1, cfg) if invariant else seq_split[seq]]
     else:
-        size_at = lambda s, pos: split[s]  # noqa: E731
-    groups = {"tiles": ([], [], [], [], []), "decode": ([], [], [], [], [])}  # seq, tok, rows, pos, split
-    tok_pos, tok_split = [], []
-    for s in range(len(lens)):
-        a, b = qsl[s], qsl[s + 1]
-        first = lens[s] - (b - a)  # position of token a
-        one = b - a == 1 and cfg.decode_block_m is not None
-        g, qt = (groups["decode"], dec_q_tile) if one else (groups["tiles"], q_tile)
-        p = first
-        while p < lens[s]:  # tiles cut at the multiples of qt of the position
-            end = min((p // qt + 1) * qt, lens[s])
-            for lst, val in zip(g, (s, a + p - first, end - p, p, size_at(s, end - 1))):
-                lst.append(val)
-            p = end
-        for pos in range(first, lens[s]):
-            tok_pos.append(pos)
-            tok_split.append(size_at(s, pos))
-    n_dec = len(groups["decode"][0])
+        tiles = [np.zeros(0, dtype=np.int32)] * 5
+    # per token (int32): its position and keys per split (from the tiles when one group holds them all)
+    if n_dec == T:
+        tok_pos, tok_split = d_pos, d_split
+    elif n_dec == 0:
+        tok_pos = np.arange(T, dtype=np.int32) + np.repeat((lo - tok).astype(np.int32), tiles[2])
+        tok_split = np.repeat(tiles[4], tiles[2])
+    else:
+        tok_pos = np.arange(T, dtype=np.int32) + np.repeat((first - start).astype(np.int32), ql)
+        tok_split = _split_sizes(tok_pos, cfg) if invariant else np.repeat(seq_split, ql)
+    n_pad = 0
     if decode_capacity is not None:
         if n_dec > decode_capacity:
             raise ValueError(f"the step has {n_dec} one-token sequences, more than decode_capacity={decode_capacity}")
-        for lst, val in zip(groups["decode"], (0, 0, 0, 0, cfg.block_n)):  # padding tiles: 0 rows
-            lst.extend([val] * (decode_capacity - n_dec))
-    serial = {k: impl == "invariant" and cfg.serial_programs is not None
-              and len(g[0]) * kv_heads >= cfg.serial_programs for k, g in groups.items()}
+        n_pad = decode_capacity - n_dec  # padding tiles: 0 rows, and (parallel) merge entries -1
+    ser_t, ser_d = (invariant and cfg.serial_programs is not None and n * kv_heads >= cfg.serial_programs
+                    for n in (len(tiles[0]), n_dec + n_pad))
     # the tokens of the parallel launches: their split states go through the workspace, which
     # is indexed by their rank here (serial tokens take no room in it)
-    merge_tok = sorted(t for k, g in groups.items() if not serial[k]
-                       for t0, n in zip(g[1], g[2]) for t in range(t0, t0 + n))
-    tok_ws = [0] * T
-    for r, t in enumerate(merge_tok):
-        tok_ws[t] = r
-    if max_seq_len is not None and cfg.split_target is not None and impl == "invariant":
-        max_splits = _max_splits_upto(max_seq_len, cfg)
-    elif max_seq_len is not None:
-        max_splits = max(triton.cdiv(max_seq_len, sp) for sp in set(split) | {cfg.block_n})
+    dec_merge, tile_merge = not ser_d and n_dec > 0, not ser_t and n_dec < T
+    if (dec_merge or n_dec == 0) and (tile_merge or n_dec == T):  # every token
+        merge = rank = np.arange(T, dtype=np.int32)
     else:
-        max_splits = max([tok_pos[t] // tok_split[t] + 1 for t in merge_tok] or [1])
-    if decode_capacity is not None and not serial["decode"]:  # the merge's padding entries: skipped
-        merge_tok += [-1] * (decode_capacity - n_dec)
-    i32 = dict(dtype=torch.int32, device=dev)
-    d_pad = max(16, triton.next_power_of_2(head_dim))
-    ws_rows = max(1, len(merge_tok) * q_heads * max_splits)
-    dec_warps, dec_stages = (cfg.serial_decode_warps, cfg.serial_decode_stages) if serial["decode"] else \
+        merge = d_tok if dec_merge else np.flatnonzero(np.repeat(~one, ql)) if tile_merge else d_tok[:0]
+        rank = np.zeros(T, dtype=np.int32)
+        rank[merge] = np.arange(len(merge), dtype=np.int32)
+    if max_seq_len is not None and cfg.split_target is not None and invariant:
+        max_splits = _max_splits_upto(max_seq_len, cfg)
+    elif max_seq_len is not None:  # every split is a multiple of block_n
+        max_splits = _cdiv(max_seq_len, cfg.block_n)
+    elif len(merge) == T and T:
+        max_splits = int((tok_pos // tok_split).max()) + 1
+    elif len(merge):
+        max_splits = int((tok_pos[merge] // tok_split[merge]).max()) + 1
+    else:
+        max_splits = 1
+    d_pad = max(16, _next_pow2(head_dim))
+    ws_rows = max(1, (len(merge) + (0 if ser_d else n_pad)) * q_heads * max_splits)
+    dec_warps, dec_stages = (cfg.serial_decode_warps, cfg.serial_decode_stages) if ser_d else \
         (cfg.num_warps, cfg.num_stages)
-
-    def group(k, qt, warps, stages):
-        return TileGroup(qt, *(torch.tensor(x, **i32) for x in groups[k]), serial[k], warps, stages)
-
+    if n_pad:  # padding tiles and merge entries
+        zeros = np.zeros(n_pad, dtype=np.int32)
+        decode = [d_seq, zeros, d_tok, zeros, decode[2], zeros, d_pos, zeros, d_split,
+                  np.full(n_pad, cfg.block_n, dtype=np.int32)]
+        if not ser_d:
+            merge = [merge, np.full(n_pad, -1, dtype=np.int32)]
+    merge = merge if isinstance(merge, list) else [merge]
+    nt, nd, nm = len(tiles[0]), n_dec + n_pad, sum(len(x) for x in merge)
+    t = _device_ints([*tiles, *decode, *merge, rank, tok_pos, tok_split],
+                     [nt] * 5 + [nd] * 5 + [nm, T, T, T], dev)
     return AttnPlan(cfg, impl, T, q_heads, kv_heads, head_dim, qpk_pad,
-                    group("tiles", q_tile, cfg.num_warps, cfg.num_stages),
-                    group("decode", dec_q_tile, dec_warps, dec_stages),
-                    MergePlan(torch.tensor(merge_tok, **i32), torch.tensor(tok_ws, **i32),
-                              torch.tensor(tok_pos, **i32), torch.tensor(tok_split, **i32), max_splits,
+                    TileGroup(q_tile, *t[0:5], ser_t, cfg.num_warps, cfg.num_stages),
+                    TileGroup(dec_q_tile, *t[5:10], ser_d, dec_warps, dec_stages),
+                    MergePlan(*t[10:14], max_splits,
                               torch.empty((ws_rows, d_pad), dtype=torch.float32, device=dev),
                               torch.empty((ws_rows, 2), dtype=torch.float32, device=dev)))
 
@@ -1172,13 +1299,12 @@ def attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *, sc
             raise ValueError("config differs from the plan's config")
         return launch(plan, q, k_cache, v_cache, block_table, scale, out)
     cfg = _cfg(config)
-    lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
+    lens, qsl = _host_ints("seq_lens", seq_lens), _host_ints("query_start_loc", query_start_loc)
     _check_metadata(lens, qsl, T)
     _check_blocks(block_table, lens, nb, bs)
-    if impl == "reference":
-        return _reference(q, k_cache, v_cache, block_table, lens, qsl, scale, out)
-    if impl == "sdpa":
-        return _sdpa(q, k_cache, v_cache, block_table, lens, qsl, scale, out)
+    if impl in ("reference", "sdpa"):
+        return (_reference if impl == "reference" else _sdpa)(q, k_cache, v_cache, block_table, lens.tolist(),
+                                                              qsl.tolist(), scale, out)
     return launch(make_plan(lens, qsl, q_heads=hq, kv_heads=hkv, head_dim=d, impl=impl, config=cfg, device=q.device),
                   q, k_cache, v_cache, block_table, scale, out)
 

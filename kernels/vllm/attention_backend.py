@@ -25,8 +25,9 @@ Scope: decoder self-attention (causal; GQA), prefill, decode, mixed batches, chu
 prefix caching, any block size that is a multiple of 16, ``kv_cache_dtype="auto"``.  Not
 supported (refused at construction): sliding windows, ALiBi, logit soft-capping, sinks, fp8 KV
 caches, encoder or cross attention.  CUDA graphs: the builder declares no full-graph support,
-so vLLM keeps attention outside its captured pieces (piecewise graphs) and the plan is built in
-Python every step; the kit's plan can be padded to fixed sizes for a full graph
+so vLLM keeps attention outside its captured pieces (piecewise graphs) and the plan is built on
+the host every step (whole-array operations, no Python loop per sequence, tile or token); the
+kit's plan can be padded to fixed sizes for a full graph
 (``make_plan(decode_capacity=..., max_seq_len=...)``, :meth:`AttnPlan.copy_`), which this builder
 does not use.
 
