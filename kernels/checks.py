@@ -1,9 +1,11 @@
 """Input validation shared by every op of the kit: clear errors that name the argument."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Collection
 
 import torch
+
+from . import device as _device
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: The one table of dtype names: result files, command lines and configs spell dtypes this way.
@@ -15,16 +17,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES, dim: int | None = None,
+def tensor(name: str, t, *, dtypes: Collection[torch.dtype] | None = FLOAT_DTYPES, dim: int | None = None,
            device: torch.device | None = None, contiguous: bool = True, nonempty: bool = True) -> torch.Tensor:
-    """Check one tensor argument; raise TypeError/ValueError naming ``name``."""
+    """Check one tensor argument; raise TypeError/ValueError naming ``name``.  Each test reads
+    one attribute on the common path (every op calls this on every call)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtypes is not None:
-        dtypes = tuple(dtypes)
-        if t.dtype not in dtypes:
-            names = ", ".join(dtype_name(d) for d in dtypes)
-            raise TypeError(f"{name} must have dtype in ({names}), got {dtype_name(t.dtype)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {dtype_name(t.dtype)}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
     if device is not None and t.device.type != torch.device(device).type:
@@ -39,11 +40,9 @@ def tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES,
 def kernel_device(name: str, t: torch.Tensor) -> None:
     """The kit's Triton kernels run on :data:`batch_invariance_kit.device.DEVICE` (compiled on a
     GPU, interpreted on a CPU): a tensor anywhere else is a ValueError naming ``name``."""
-    from .device import DEVICE, INTERPRET
-
-    if t.device.type != DEVICE.type:
-        where = "under the Triton interpreter" if INTERPRET else "for the compiled Triton kernels"
-        raise ValueError(f"{name} must be on {DEVICE.type} {where}, got {t.device}")
+    if not (t.is_cuda if _device.DEVICE.type == "cuda" else t.is_cpu):
+        where = "under the Triton interpreter" if _device.INTERPRET else "for the compiled Triton kernels"
+        raise ValueError(f"{name} must be on {_device.DEVICE.type} {where}, got {t.device}")
 
 
 def shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -59,6 +58,8 @@ def output(name: str, t, shape, dtype: torch.dtype, like: torch.Tensor, *, like_
     ``like``'s device; a tensor must have that dtype, shape and device (and be contiguous when
     ``contiguous``) and share no memory with any ``(name, tensor)`` of ``inputs``."""
     if t is None:
+        if like.shape == shape and like.is_contiguous():  # the cheapest allocations torch has
+            return torch.empty_like(like) if dtype == like.dtype else torch.empty_like(like, dtype=dtype)
         return torch.empty(shape, dtype=dtype, device=like.device)
     tensor(name, t, dtypes=(dtype,), contiguous=contiguous, nonempty=False)
     same_device(name, t, like_name, like)

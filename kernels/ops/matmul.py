@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -231,10 +232,10 @@ def variant_split_k(M: int, N: int, K: int, dtype: torch.dtype) -> int:
     return min(want, kb)
 
 
-def _resolve_config(config, M, N, K, dtype, compiled=None) -> MMConfig:
-    if config is None:
-        return select_config(M, N, K, dtype, compiled=compiled)
-    if isinstance(config, MMConfig):
+def _config_arg(config):
+    """The ``config=`` argument of an op: ``None`` (the table picks) or an :class:`MMConfig`
+    (a name is looked up in :data:`CONFIGS`)."""
+    if config is None or isinstance(config, MMConfig):
         return config
     if isinstance(config, str):
         if config not in _BY_NAME:
@@ -243,14 +244,20 @@ def _resolve_config(config, M, N, K, dtype, compiled=None) -> MMConfig:
     raise TypeError(f"config must be None, a config name or an MMConfig, got {type(config).__name__}")
 
 
+def _resolve_config(config, M, N, K, dtype, compiled=None) -> MMConfig:
+    config = _config_arg(config)
+    return select_config(M, N, K, dtype, compiled=compiled) if config is None else config
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_programs_persistent(tiles: int) -> int:
-    """Persistent grid: one program per SM (3 under the interpreter, to exercise the loop)."""
-    sms = 3 if INTERPRET else _sm_count(torch.cuda.current_device())
+def _num_programs_persistent(tiles: int, device_index: int | None = None) -> int:
+    """Persistent grid: one program per SM of the device (the current one when ``device_index``
+    is None; 3 under the interpreter, to exercise the loop)."""
+    sms = 3 if INTERPRET else _sm_count(torch.cuda.current_device() if device_index is None else device_index)
     return max(1, min(sms, tiles))
 
 
@@ -496,83 +503,126 @@ def _k_plan(impl, cfg, M, N, K, dtype, compiled=None) -> tuple:
     return 1, k_blocks, chunk_blocks
 
 
-def _tma_layout(a, b):
-    """For 2-D ``a`` (M, K) and ``b`` (K, N): ``True`` when B can be read by TMA as (K, N) rows,
-    ``False`` as its (N, K) transpose (a linear weight), ``None`` when TMA cannot read them
-    (TMA wants a unit inner stride, 16-byte aligned other strides and base addresses)."""
-    size = a.element_size()
+def _tma_rows(ptr: int, size: int, inner_stride: int, outer_stride: int, inner_len: int, outer_len: int) -> bool:
+    """Whether TMA can read a 2-D operand as rows along its ``inner`` dim: unit inner stride, the
+    outer stride and the base 16-byte aligned, rows of at least 16 bytes that do not overlap
+    (no expanded, stride-0 operands)."""
+    return (inner_stride == 1 and (outer_stride * size) % 16 == 0 and ptr % 16 == 0 and inner_len * size >= 16
+            and (outer_stride >= inner_len or outer_len == 1))
 
-    def ok(t, inner):  # unit stride along ``inner``, the other stride and the base 16-byte aligned,
-        outer = 1 - inner  # rows that do not overlap (no expanded, stride-0 operands)
-        return (t.stride(inner) == 1 and (t.stride(outer) * size) % 16 == 0 and t.data_ptr() % 16 == 0
-                and t.shape[inner] * size >= 16 and (t.stride(outer) >= t.shape[inner] or t.shape[outer] == 1))
-    if not ok(a, 1):
+
+def _b_layout(a_ptr: int, b_ptr: int, size: int, M: int, N: int, K: int, sa: tuple, sb: tuple):
+    """:func:`_tma_layout` from pointers and strides: ``sa = (s_am, s_ak)``, ``sb = (s_bk, s_bn)``."""
+    if not _tma_rows(a_ptr, size, sa[1], sa[0], K, M):
         return None
-    if ok(b, 1):
+    if _tma_rows(b_ptr, size, sb[1], sb[0], N, K):
         return True
-    if ok(b, 0):
+    if _tma_rows(b_ptr, size, sb[0], sb[1], K, N):
         return False
     return None
 
 
-def _launch_tma(a, b, out, bias, bias_strides, has_bias, b_kn, cfg, bk, chunk_blocks, tiles, progs, persistent):
+def _tma_layout(a, b):
+    """For 2-D ``a`` (M, K) and ``b`` (K, N): ``True`` when B can be read by TMA as (K, N) rows,
+    ``False`` as its (N, K) transpose (a linear weight), ``None`` when TMA cannot read them
+    (TMA wants a unit inner stride, 16-byte aligned other strides and base addresses)."""
+    return _b_layout(a.data_ptr(), b.data_ptr(), a.element_size(), a.shape[0], b.shape[1], a.shape[1],
+                     a.stride(), b.stride())
+
+
+class _Plan(NamedTuple):
+    """The launch of one product shape (:func:`_plan`): everything but the tensors and strides."""
+
+    grid: tuple
+    #: K ranges per tile (the variant's splits or the invariant's chunk programs), K blocks each
+    split: int
+    per_split: int
+    tiles: int
+    #: the config asks for TMA loads and the launch allows them (one 2-D product, no K split)
+    tma: bool
+    #: constexprs and launch options of ``_mm_kernel`` / ``_mm_tma_kernel``
+    kw: dict
+    tma_kw: dict
+    #: grid of the second pass that adds the K ranges' fp32 sums (split > 1)
+    reduce_grid: tuple
+
+
+#: Tile of the second pass (``_splitk_reduce_kernel``)
+_REDUCE_M, _REDUCE_N = 32, 128
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(B: int, M: int, N: int, K: int, dtype: torch.dtype, impl: str, cfg, has_bias: bool,
+          device: torch.device) -> _Plan:
+    """The launch of ``impl`` for a (B, M, K) x (B, K, N) product (K > 0, non-empty output):
+    config (``cfg``: a forced :class:`MMConfig`, or ``None`` for the table's pick), K plan, grid,
+    constexprs.  Cached per shape: an eager call looks it up and launches."""
+    cfg = select_config(M, N, K, dtype) if cfg is None else cfg
+    bk = block_k(dtype)
+    split, per_split, chunk_blocks = _k_plan(impl, cfg, M, N, K, dtype)
+    tiles = B * _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)
+    persistent = cfg.persistent and split == 1
+    progs = _num_programs_persistent(tiles, device.index) if persistent else tiles
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+                  CHUNK_BLOCKS=chunk_blocks, PERSISTENT=persistent, HAS_BIAS=has_bias, UPCAST=INTERPRET,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _Plan(grid=(progs, split), split=split, per_split=per_split, tiles=tiles,
+                 tma=cfg.tma and split == 1 and B == 1, kw=dict(common, SPLIT_K=split),
+                 tma_kw=dict(common, WARP_SPEC=cfg.warp_spec),
+                 reduce_grid=(_cdiv(M, _REDUCE_M), _cdiv(N, _REDUCE_N), B))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _launch_tma(a, b, out, bias, plan, strides, b_kn):
+    """The TMA kernel for one 2-D product: descriptors of ``a`` (M, K) and of ``b`` as (K, N)
+    rows (``b_kn``) or as the (N, K) rows of a linear weight, built from the given strides."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, bk])
-    b_desc = TensorDescriptor.from_tensor(b, [bk, cfg.block_n]) if b_kn else \
-        TensorDescriptor.from_tensor(b.t(), [cfg.block_n, bk])
-    M, K = a.shape
-    N = b.shape[1]
-    _mm_tma_kernel[(progs,)](
-        a_desc, b_desc, out, bias, M, N, K, tiles, out.stride(0), out.stride(1), *bias_strides,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, CHUNK_BLOCKS=chunk_blocks,
-        B_KN=b_kn, PERSISTENT=persistent, WARP_SPEC=cfg.warp_spec, HAS_BIAS=has_bias, UPCAST=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    M, N, K, sa, sb, sc, sbias = strides
+    kw = plan.tma_kw
+    bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
+    a_desc = TensorDescriptor(a, [M, K], [sa[1], sa[2]], [bm, bk])
+    b_desc = TensorDescriptor(b, [K, N], [sb[1], sb[2]], [bk, bn]) if b_kn else \
+        TensorDescriptor(b, [N, K], [sb[2], sb[1]], [bn, bk])
+    _mm_tma_kernel[(plan.grid[0],)](a_desc, b_desc, out, bias, M, N, K, plan.tiles, sc[1], sc[2], *sbias,
+                                    B_KN=b_kn, **kw)
 
 
-def _launch(a3, b3, out3, bias2, impl, config):
-    """a3 (B, M, K), b3 (B, K, N), out3 (B, M, N), bias2 (M, N) view or None; any strides."""
-    B, M, K = a3.shape
-    N = b3.shape[2]
+def _launch(a, b, out, bias, impl, config, B, M, N, K, sa, sb, sc, sbias):
+    """``out = a @ b (+ bias)`` for B products of (M, K) x (K, N), each tensor read in place
+    through its element strides: ``sa`` (batch, m, k) of ``a``, ``sb`` (batch, k, n) of ``b``,
+    ``sc`` (batch, m, n) of ``out``, ``sbias`` (m, n) of ``bias`` (stride 0 along a broadcast
+    dim; ``bias`` None: no bias).  Nothing is launched for an empty output; ``K = 0`` gives
+    ``0 + bias``.  ``config``: None (the table) or an :class:`MMConfig`."""
     if B == 0 or M == 0 or N == 0:
         return
     if K == 0:  # acc = 0, then + bias, then rounded: the same as the kernel would give
-        out3.zero_()
-        if bias2 is not None:
-            out3.add_(bias2)
+        out.zero_()
+        if bias is not None:
+            out.add_(bias)
         return
     if impl == "invariant" and planted("matmul"):
         impl = "variant"  # KIT_PLANT_VARIANT=matmul: the fault the book's claims must catch
-    dtype = a3.dtype
-    cfg = _resolve_config(config, M, N, K, dtype)
-    bk = block_k(dtype)
-    split, per_split, chunk_blocks = _k_plan(impl, cfg, M, N, K, dtype)
-    tiles = B * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    persistent = cfg.persistent and split == 1
-    progs = _num_programs_persistent(tiles) if persistent else tiles
-    has_bias = bias2 is not None
-    bias = bias2 if has_bias else out3
-    s_biasm, s_biasn = (bias2.stride(0), bias2.stride(1)) if has_bias else (0, 0)
-    if cfg.tma and split == 1 and B == 1:
-        b_kn = _tma_layout(a3[0], b3[0])
+    has_bias = bias is not None
+    plan = _plan(B, M, N, K, a.dtype, impl, config, has_bias, a.device)
+    if not has_bias:
+        bias = out
+    if plan.tma:
+        b_kn = _b_layout(a.data_ptr(), b.data_ptr(), a.element_size(), M, N, K, sa[1:], sb[1:])
         if b_kn is not None:
-            _launch_tma(a3[0], b3[0], out3[0], bias, (s_biasm, s_biasn), has_bias, b_kn, cfg, bk, chunk_blocks,
-                        tiles, progs, persistent)
+            _launch_tma(a, b, out, bias, plan, (M, N, K, sa, sb, sc, sbias), b_kn)
             return
-    ws = torch.empty((split, B, M, N), dtype=torch.float32, device=a3.device) if split > 1 else out3
-    _mm_kernel[(progs, split)](
-        a3, b3, out3, bias, ws, per_split, M, N, K, B, tiles,
-        a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
-        out3.stride(0), out3.stride(1), out3.stride(2), s_biasm, s_biasn,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, CHUNK_BLOCKS=chunk_blocks,
-        SPLIT_K=split, PERSISTENT=persistent, HAS_BIAS=has_bias, UPCAST=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    split = plan.split
+    ws = torch.empty((split, B, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    _mm_kernel[plan.grid](a, b, out, bias, ws, plan.per_split, M, N, K, B, plan.tiles, *sa, *sb, *sc, *sbias,
+                          **plan.kw)
     if split > 1:
-        rb_m, rb_n = 32, 128
-        _splitk_reduce_kernel[(triton.cdiv(M, rb_m), triton.cdiv(N, rb_n), B)](
-            ws, out3, bias, M, N, B, out3.stride(0), out3.stride(1), out3.stride(2), s_biasm, s_biasn,
-            SPLIT_K=split, BLOCK_M=rb_m, BLOCK_N=rb_n, HAS_BIAS=has_bias, num_warps=4,
+        _splitk_reduce_kernel[plan.reduce_grid](
+            ws, out, bias, M, N, B, *sc, *sbias,
+            SPLIT_K=split, BLOCK_M=_REDUCE_M, BLOCK_N=_REDUCE_N, HAS_BIAS=has_bias, num_warps=4,
         )
 
 
@@ -614,7 +664,7 @@ def _check_bias(bias, name, shape, a):
 # --------------------------------------------------------------------------------------------
 
 def _run2d(a, b, bias2, out, impl, config):
-    """Shared body of mm / addmm / linear on 2-D operands (validated)."""
+    """Shared body of mm / addmm (and of linear's torch impls) on 2-D operands (validated)."""
     M, N = a.shape[0], b.shape[1]
     out = _check_out(out, (M, N), a, (("a", a), ("b", b), ("bias", bias2)))
     if impl == "reference":
@@ -627,7 +677,9 @@ def _run2d(a, b, bias2, out, impl, config):
             return torch.mm(a, b, out=out)
         row_bias = bias2[0] if bias2.stride(0) == 0 else bias2  # what the caller passed: 1-D bias
         return torch.addmm(row_bias, a, b, out=out)
-    _launch(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), bias2, impl, config)
+    sa, sb, sc = a.stride(), b.stride(), out.stride()
+    _launch(a, b, out, bias2, impl, _config_arg(config), 1, M, N, a.shape[1], (0, sa[0], sa[1]), (0, sb[0], sb[1]),
+            (0, sc[0], sc[1]), (0, 0) if bias2 is None else bias2.stride())
     return out
 
 
@@ -654,7 +706,8 @@ def addmm(bias, a, b, *, impl="invariant", out=None, config=None):
 def linear(x, weight, bias=None, *, impl="invariant", out=None, config=None):
     """``x @ weight.T + bias`` like ``torch.nn.functional.linear``: ``x`` (..., K), ``weight``
     (N, K), ``bias`` (N,) or None; returns (..., N).  The leading dims of ``x`` are flattened
-    into M (a copy only when they cannot be viewed flat)."""
+    into M (a copy only when they cannot be viewed flat).  The kit's kernels read ``weight``
+    and ``bias`` in place through their strides (no transposed or expanded views are made)."""
     _check_impl(impl)
     checks.tensor("x", x, contiguous=False, nonempty=False)
     if x.dim() < 1:
@@ -665,26 +718,40 @@ def linear(x, weight, bias=None, *, impl="invariant", out=None, config=None):
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"weight has {K} columns but x has {x.shape[-1]} features (last dim)")
-    lead = tuple(x.shape[:-1])
-    x2 = x.reshape(math.prod(lead), K)
-    bias2 = None
     if bias is not None:
         checks.tensor("bias", bias, dim=1, contiguous=False, nonempty=False)
         if bias.shape[0] != N:
             raise ValueError(f"bias has {bias.shape[0]} elements but weight has {N} rows")
-        bias2 = _check_bias(bias, "bias", (x2.shape[0], N), x)
+        checks.same_dtype("bias", bias, "x", x)
+        checks.same_device("bias", bias, "x", x)
+    lead = x.shape[:-1]
+    x2 = x if x.dim() == 2 else x.reshape(math.prod(lead), K)
+    M = x2.shape[0]
     out2 = None
     if out is not None:
         checks.tensor("out", out, dtypes=(x.dtype,), contiguous=False, nonempty=False)
         if tuple(out.shape) != lead + (N,):
-            raise ValueError(f"out must have shape {lead + (N,)}, got {tuple(out.shape)}")
+            raise ValueError(f"out must have shape {tuple(lead) + (N,)}, got {tuple(out.shape)}")
         try:
-            out2 = out.view(math.prod(lead), N)
+            out2 = out.view(M, N)
         except RuntimeError:
             raise ValueError("out must be viewable as (M, N) with M the product of x's leading dims "
                              f"(got strides {out.stride()})") from None
-    res = _run2d(x2, weight.t(), bias2, out2, impl, config)
-    return out if out is not None else res.view(lead + (N,))
+    if impl in ("reference", "cublas"):
+        bias2 = None if bias is None else bias.expand(M, N)
+        res = _run2d(x2, weight.t(), bias2, out2, impl, config)
+        return out if out is not None else res.view(lead + (N,))
+    config = _config_arg(config)
+    if out is None:
+        out = torch.empty(lead + (N,), dtype=x.dtype, device=x.device)
+        out2, sc = out, (0, N, 1)
+    else:
+        _check_out(out2, (M, N), x2, (("x", x2), ("weight", weight), ("bias", bias)))
+        sc = (0, *out2.stride())
+    sx, sw = x2.stride(), weight.stride()
+    _launch(x2, weight, out2, bias, impl, config, 1, M, N, K, (0, sx[0], sx[1]), (0, sw[1], sw[0]), sc,
+            (0, 0) if bias is None else (0, bias.stride(0)))
+    return out
 
 
 def bmm(a, b, *, impl="invariant", out=None, config=None):
@@ -702,5 +769,6 @@ def bmm(a, b, *, impl="invariant", out=None, config=None):
         return out.copy_(torch.bmm(a.double(), b.double()))
     if impl == "cublas":
         return torch.bmm(a, b, out=out)
-    _launch(a, b, out, None, impl, config)
+    _launch(a, b, out, None, impl, _config_arg(config), B, M, N, a.shape[2], a.stride(), b.stride(), out.stride(),
+            (0, 0))
     return out

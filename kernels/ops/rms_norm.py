@@ -32,6 +32,7 @@ Numerics, identical for variant and invariant: ``ss = sum(x^2)`` in fp32;
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -138,13 +139,8 @@ def launch_info(num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat1
     hidden = checks.positive_int("hidden", hidden)
     if dtype not in checks.FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of {checks.FLOAT_DTYPES}, got {dtype}")
-    full = triton.next_power_of_2(hidden)
-    if invariant:
-        max_block = _MAX_FUSED
-        block = full if full <= _MAX_FUSED else _INVARIANT_CHUNK
-    else:
-        max_block = production_max_block(num_tokens, op)
-        block = min(full, max_block)
+    max_block = _max_block(num_tokens, op, invariant)
+    block = _block(hidden, max_block, invariant)
     rows = _rows_per_program(block)
     return {
         "op": op,
@@ -154,11 +150,39 @@ def launch_info(num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat1
         "dtype": checks.dtype_name(dtype),
         "max_block": max_block,
         "block": block,
-        "num_chunks": triton.cdiv(hidden, block),
+        "num_chunks": -(-hidden // block),
         "rows_per_program": rows,
         "num_warps": _num_warps(block),
-        "grid": triton.cdiv(num_tokens, rows),
+        "grid": -(-num_tokens // rows),
     }
+
+
+def _max_block(num_tokens: int, op: str, invariant: bool) -> int:
+    """The widest reduction block allowed: fixed (invariant) or chosen from the batch (variant)."""
+    return _MAX_FUSED if invariant else production_max_block(num_tokens, op)
+
+
+def _block(hidden: int, max_block: int, invariant: bool) -> int:
+    """The fp32 accumulator width of a ``hidden``-wide row: the row's next power of two, at most
+    ``max_block`` (variant); the invariant schedule cuts a row wider than ``max_block`` into
+    ``_INVARIANT_CHUNK`` chunks."""
+    full = 1 << (hidden - 1).bit_length()
+    if invariant:
+        return full if full <= max_block else _INVARIANT_CHUNK
+    return min(full, max_block)
+
+
+@functools.lru_cache(maxsize=1024)
+def _kernel_params(op: str, hidden: int, max_block: int, invariant: bool, group_size: int, has_residual: bool,
+                   knobs: tuple) -> tuple:
+    """``(rows per program, constexprs and launch options)`` of ``_rms_norm_kernel``: what
+    :func:`launch_info` decides, cached per row shape (``knobs``: the tuning values that the
+    decision reads, so that changing one takes effect)."""
+    block = _block(hidden, max_block, invariant)
+    rows = _rows_per_program(block)
+    return rows, dict(H=hidden, BLOCK=block, NUM_CHUNKS=-(-hidden // block), ROWS=rows, HAS_RESIDUAL=has_residual,
+                      QUANT=_QUANT[op], GROUP=group_size, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+                      num_warps=_num_warps(block))
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,15 +321,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, sca
 
 def _launch(op, x, residual, residual_out, weight, out, scale, scales, eps, group_size, invariant):
     n, h = x.shape
-    cfg = launch_info(n, h, x.dtype, op, invariant)
-    _rms_norm_kernel[(cfg["grid"],)](
+    knobs = (_INTERPRET_MAX_ROWS, _INTERPRET_TILE, tuple(NUM_WARPS_OVERRIDE.items()))
+    rows, kw = _kernel_params(op, h, _max_block(n, op, invariant), invariant, group_size, residual is not None, knobs)
+    _rms_norm_kernel[(-(-n // rows),)](
         x, residual if residual is not None else x, residual_out if residual_out is not None else x,
         weight, out, scale if scale is not None else weight, scales if scales is not None else out,
-        n, eps,
-        H=h, BLOCK=cfg["block"], NUM_CHUNKS=cfg["num_chunks"], ROWS=cfg["rows_per_program"],
-        HAS_RESIDUAL=residual is not None, QUANT=_QUANT[op], GROUP=group_size,
-        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=cfg["num_warps"],
-    )
+        n, eps, **kw)
 
 
 # --------------------------------------------------------------------------------------------
