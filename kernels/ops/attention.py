@@ -263,6 +263,12 @@ def query_tile(q_heads: int, kv_heads: int, config: AttnConfig | None = None, *,
     return q_tile, qpk_pad
 
 
+@functools.lru_cache(maxsize=256)
+def _query_tiles(q_heads: int, kv_heads: int, cfg: AttnConfig) -> tuple:
+    """``(q_tile, qpk_pad, decode q_tile)`` of :func:`query_tile`, once per head layout and config."""
+    return (*query_tile(q_heads, kv_heads, cfg), query_tile(q_heads, kv_heads, cfg, decode=True)[0])
+
+
 def _next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (``n >= 1``)."""
     return 1 << (n - 1).bit_length()
@@ -902,7 +908,7 @@ def _host_ints(name, x) -> np.ndarray:
     """``x`` (a list of ints, a NumPy array or a 1-D integer tensor) as a 1-D int64 host array
     of values an int32 holds (the plan's dtype)."""
     if isinstance(x, torch.Tensor):
-        if x.dim() != 1 or x.dtype.is_floating_point or x.dtype.is_complex:
+        if x.dtype not in _TORCH_INTS or x.dim() != 1:
             raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints, got {x.dtype} {tuple(x.shape)}")
         a = (x if x.is_cpu else x.cpu()).numpy()
     else:
@@ -919,6 +925,7 @@ def _host_ints(name, x) -> np.ndarray:
 
 
 _INT32_MAX = 2 ** 31 - 1
+_TORCH_INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool})
 
 
 def _check_metadata(lens: np.ndarray, qsl: np.ndarray, num_tokens: int | None = None) -> tuple:
@@ -1140,17 +1147,18 @@ def make_plan(seq_lens, query_start_loc, *, q_heads: int, kv_heads: int, head_di
         raise ValueError(f"seq_lens holds {lens.max()} > max_seq_len={max_seq_len}")
     dev = DEVICE if device is None else torch.device(device)
     S, T = len(lens), int(qsl[-1])
-    q_tile, qpk_pad = query_tile(q_heads, kv_heads, cfg)
-    dec_q_tile, _ = query_tile(q_heads, kv_heads, cfg, decode=True)
+    q_tile, qpk_pad, dec_q_tile = _query_tiles(q_heads, kv_heads, cfg)
     invariant = impl == "invariant"
     seq_split = None if invariant else _seq_splits(lens, kv_heads, impl, cfg)
     start = qsl[:-1]  # per sequence: its first token (at position ``first``)
     # one-token steps: in decode tiles (one tile each) when the config has them
     one = ql == 1 if cfg.decode_block_m is not None else np.zeros(S, dtype=bool)
     n_dec = int(np.count_nonzero(one))
-    d_seq = np.arange(S) if n_dec == S else np.flatnonzero(one)
-    d_tok = start[d_seq]
-    d_pos = first[d_seq]
+    if n_dec == S:  # a decode step
+        d_seq, d_tok, d_pos = np.arange(S), start, first
+    else:
+        d_seq = np.flatnonzero(one)
+        d_tok, d_pos = start[d_seq], first[d_seq]
     d_split = _split_sizes(d_pos, cfg) if invariant else seq_split[d_seq]
     decode = [d_seq, d_tok, np.ones(n_dec, dtype=np.int32), d_pos, d_split]
     # the other steps: tiles cut at the multiples of q_tile of the position (a power of two),
