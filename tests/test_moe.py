@@ -360,6 +360,55 @@ def test_dispatch_layout_across_block_edges():
         assert len(be) * bm == len(s) >= pos
 
 
+def _sorted_dispatch(topk_ids, num_experts, block_m):
+    """The dispatch layout by a stable sort and searches in torch (a sort by expert, each
+    expert's rows padded to block_m, the blocks' experts by a search of the padded ends): the
+    layout the dispatch kernel must reproduce exactly."""
+    dev = topk_ids.device
+    T, k = topk_ids.shape
+    n = T * k
+    sorted_e, order = torch.sort(topk_ids.reshape(-1).long(), stable=True)
+    bounds = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, device=dev))
+    counts = bounds[1:] - bounds[:-1]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    dest = (pend - padded)[sorted_e] + torch.arange(n, device=dev) - bounds[sorted_e]
+    num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
+    sorted_ids = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    be = torch.searchsorted(pend, torch.arange(num_blocks, device=dev) * block_m, right=True)
+    block_expert = torch.where(be < num_experts, be, torch.full_like(be, -1)).to(torch.int32)
+    return moe.Dispatch(sorted_ids, block_expert, counts, padded, n, num_experts, k, block_m)
+
+
+@pytest.mark.parametrize("tile", ["default", 64])
+def test_dispatch_kernel_equals_the_stable_sort(tile, monkeypatch):
+    """The dispatch kernel's layout is the stable sort's, field by field: in one launch (the
+    whole id table in one tile) and in two (tiles of 64 one-hot elements: many tiles, many
+    block programs), with hot experts, idle experts and counts across block edges.  A MoE layer
+    on the sort's layout gives bitwise the output of ``fused_moe``."""
+    if tile != "default":
+        monkeypatch.setattr(moe, "_DISPATCH_TILE", tile)
+    g = torch.Generator().manual_seed(5)
+    for T, k, e, bm in [(1, 2, 8, 16), (9, 2, 8, 16), (130, 2, 8, 32), (33, 8, 128, 16), (70, 4, 60, 64)]:
+        ids = torch.randint(0, e, (T, k), generator=g, dtype=torch.int32)
+        ids[: T // 2, 0] = 3  # a hot expert
+        ids = ids.to(DEV)
+        got, want = moe.dispatch(ids, e, bm), _sorted_dispatch(ids, e, bm)
+        for field in ("sorted_ids", "block_expert", "counts", "padded_counts"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (T, k, e, bm, field)
+        assert (got.num_valid, got.num_experts, got.top_k, got.block_m) == (T * k, e, k, bm)
+    impl = "invariant" if tile == "default" else "variant"
+    rw, w13, w2 = _weights(torch.float32)
+    x = _maker("skewed", torch.float32)(45)
+    w, ids = moe.route(moe.MM.linear(x, rw, impl=impl), TOPK, impl=impl)
+    cfg = moe.select_config(45, TOPK, E, x.dtype, impl)
+    d = _sorted_dispatch(ids, E, cfg.block_m)
+    h = moe.grouped_gemm(x, w13, d, activation="silu_mul", gather_tokens=True, impl=impl, config=cfg)
+    y = moe.combine(moe.grouped_gemm(h, w2, d, impl=impl, config=cfg), w, impl=impl)
+    assert bitwise_equal(moe.fused_moe(x, rw, w13, w2, TOPK, impl=impl), y)
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input
 # ---------------------------------------------------------------------------------------------

@@ -5,18 +5,21 @@ The pipeline of one MoE layer (Qwen3-MoE / Mixtral / DeepSeek style), one public
 1. :func:`route`  router scores (softmax, or DeepSeek's sigmoid) of the gating logits, top-k
    with a fixed tie rule (equal scores: the *lower expert index* wins), optional renormalization
    of the k chosen weights (summed in rank order 0..k-1);
-2. :func:`dispatch`  a stable sort of the (token, expert) pairs by expert, then by token (then
-   rank), each expert's rows padded to a multiple of ``BLOCK_M``: sorted row ids, one expert id
-   per block, padded counts.  A sort and searches, no atomics: nothing about the *order* in
-   which threads ran can leak into the result (and only the *place* of a row depends on the
-   batch; the next steps compute every row on its own);
+2. :func:`dispatch`  the (token, expert) pairs grouped by expert, then by token (then rank),
+   each expert's rows padded to a multiple of ``BLOCK_M``: sorted row ids, one expert id per
+   block, padded counts.  One Triton kernel computes them with prefix sums over one-hot tiles
+   of the ids, no atomics: nothing about the *order* in which threads ran can leak into the
+   result (and only the *place* of a row depends on the batch; the next steps compute every
+   row on its own).  Its buffers are sized from the shapes (a bound on the number of blocks;
+   the GEMM programs of spare blocks exit at once), so nothing is read back to the host;
 3. :func:`grouped_gemm`  each block multiplies its rows by its expert's weight: gate/up with
    SiLU-and-mul fused (``silu(x W_g^T) * (x W_u^T)``, one rounding), then down;
 4. :func:`combine`  a token's output = sum over its k experts of ``weight * y`` in rank order
    ``k = 0..top_k-1`` in fp32, rounded once (:func:`combine_launch` gives its launch).
 
 :func:`fused_moe` runs all four, the gating matmul (``x @ router_weight.T``, by
-:func:`batch_invariance_kit.ops.matmul.linear`) first.
+:func:`batch_invariance_kit.ops.matmul.linear`'s kernels) first: its arguments are checked
+once, then each step launches its kernels with launch parameters cached per shape.
 
 ``impl``:
 
@@ -55,6 +58,7 @@ Under the Triton interpreter 16-bit tiles are widened to fp32 before ``tl.dot`` 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -286,8 +290,7 @@ def route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renorma
     _on_kernel_device("logits", logits, impl)
     if impl == "reference":
         return reference_route(logits, top_k, scoring=scoring, renormalize=renormalize)
-    T, E = logits.shape
-    lc = router_launch(T, E, impl)
+    T = logits.shape[0]
     if out is None:
         w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
         ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
@@ -296,12 +299,24 @@ def route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renorma
             raise TypeError("out must be a (weights, ids) pair")
         w = _check_out("out[0]", out[0], (T, top_k), torch.float32, logits)
         ids = _check_out("out[1]", out[1], (T, top_k), torch.int32, logits)
-    _router_kernel[(triton.cdiv(T, lc["block_t"]),)](
-        logits, w, ids, T, E, logits.stride(0),
-        TOPK=top_k, BLOCK_T=lc["block_t"], BLOCK_E=lc["block_e"], BLOCK_K=triton.next_power_of_2(top_k),
-        LANES=lc["lanes"], SIGMOID=scoring == "sigmoid", RENORM=renormalize, num_warps=lc["num_warps"],
-    )
+    _route(logits, top_k, scoring, renormalize, impl, w, ids)
     return w, ids
+
+
+@functools.lru_cache(maxsize=4096)
+def _router_params(T: int, E: int, top_k: int, scoring: str, renormalize: bool, impl: str) -> tuple:
+    """``(grid, constexprs)`` of the router kernel (:func:`router_launch`), cached per shape."""
+    lc = router_launch(T, E, impl)
+    return (-(-T // lc["block_t"]),), dict(TOPK=top_k, BLOCK_T=lc["block_t"], BLOCK_E=lc["block_e"],
+                                           BLOCK_K=_next_pow2(top_k), LANES=lc["lanes"], SIGMOID=scoring == "sigmoid",
+                                           RENORM=renormalize, num_warps=lc["num_warps"])
+
+
+def _route(logits, top_k, scoring, renormalize, impl, w, ids) -> None:
+    """The router kernel on checked arguments: ``w`` and ``ids`` (T, k) written."""
+    T, E = logits.shape
+    grid, kw = _router_params(T, E, top_k, scoring, renormalize, impl)
+    _router_kernel[grid](logits, w, ids, T, E, logits.stride(0), **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -333,10 +348,157 @@ class Dispatch:
         return self.block_expert.numel()
 
 
+#: Elements of the (rows x experts) one-hot tile a dispatch program holds: its rows per tile
+#: are ``_DISPATCH_TILE // next_pow2(E)`` (16 to 1024).  One tile of rows takes one launch;
+#: more take two (:func:`dispatch`).
+_DISPATCH_TILE = 16384
+#: Blocks of ``block_m`` rows whose expert and padding one program writes at a time
+_DISPATCH_BLOCKS = 64
+
+
+@triton.jit
+def _tile_ranks(ids_ptr, row0, n, E, ROWS: tl.constexpr, E_PAD: tl.constexpr):
+    """Rows ``row0 ..`` of the flat id table: their ids (int32; -1 past the end or for an id
+    outside ``0..E-1``), each row's one-hot over the experts ``[ROWS, E_PAD]``, its rank among
+    the tile's earlier rows of the same expert (an exclusive prefix sum of the one-hot down the
+    rows: row order, no atomics) and the tile's per-expert counts."""
+    rows = row0 + tl.arange(0, ROWS)
+    raw = tl.load(ids_ptr + rows, mask=rows < n, other=-1)
+    e = tl.where((raw >= 0) & (raw < E), raw, -1).to(tl.int32)
+    hot = (e[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
+    rank = tl.sum((tl.cumsum(hot, axis=0) - hot) * hot, axis=1)
+    return rows, e, hot, rank, tl.sum(hot, axis=0)
+
+
+@triton.jit
+def _expert_layout(counts, BLOCK_M: tl.constexpr):
+    """Each expert's rows padded to a multiple of BLOCK_M, laid out in expert order: padded
+    counts, first and one-past-last slot of each expert's group."""
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    return padded, end - padded, end
+
+
+@triton.jit
+def _place_rows(sorted_ptr, rows, e, hot, rank, first):
+    """Row ``rows[i]`` to slot ``first[e] + rank`` of its expert ``e`` (rows with no expert: nowhere)."""
+    slot = tl.sum(hot * first[None, :], axis=1) + rank
+    tl.store(sorted_ptr + slot, rows, mask=e >= 0)
+
+
+@triton.jit
+def _write_blocks(sorted_ptr, block_expert_ptr, counts, start, end, b0, n, E, num_blocks,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):
+    """Blocks ``b0 ..``: the expert of each block (the number of group ends at or before the
+    block's first slot: a search in the sorted ends; -1 past the last group) and the no-row
+    marker ``n`` in every slot that no row fills (each group's tail, the spare blocks)."""
+    b = b0 + tl.arange(0, BLOCKS)
+    experts = tl.arange(0, E_PAD)
+    first = b * BLOCK_M
+    be = tl.sum(((end[None, :] <= first[:, None]) & (experts[None, :] < E)).to(tl.int32), axis=1)
+    inside = be < E
+    tl.store(block_expert_ptr + b, tl.where(inside, be, -1), mask=b < num_blocks)
+    hot = ((be[:, None] == experts[None, :]) & inside[:, None]).to(tl.int32)
+    rows_end = tl.sum(hot * (start + counts)[None, :], axis=1)  # 0 for a spare block
+    slots = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ptr + slots, tl.full((BLOCKS, BLOCK_M), 0, tl.int32) + n,
+             mask=(b < num_blocks)[:, None] & (slots >= rows_end[:, None]))
+
+
+@triton.jit
+def _dispatch_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, counts_ptr, padded_ptr,
+                     n, E, num_blocks, n_tiles,
+                     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
+                     HIST_TILE: tl.constexpr, PHASE: tl.constexpr):
+    """The dispatch of :func:`dispatch` without a sort: a row's slot is its expert's first slot
+    + the rows of its expert in earlier tiles + its rank in its own tile.  PHASE 0 (one tile,
+    one program): everything.  PHASE 1 (a program per tile): the tile's per-expert counts to
+    ``hist``.  PHASE 2 (a program per tile or per BLOCKS blocks, whichever is more): each
+    program sums ``hist`` (all tiles: the counts; the tiles before its own: its offsets),
+    places its tile's rows and writes its blocks; program 0 writes the counts."""
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    if PHASE == 1:
+        rows, e, hot, rank, hist = _tile_ranks(ids_ptr, pid * ROWS, n, E, ROWS, E_PAD)
+        tl.store(hist_ptr + pid * E_PAD + experts, hist)
+    else:
+        if PHASE == 0:
+            rows, e, hot, rank, counts = _tile_ranks(ids_ptr, 0, n, E, ROWS, E_PAD)
+            before = tl.zeros((E_PAD,), dtype=tl.int32)
+        else:
+            counts = tl.zeros((E_PAD,), dtype=tl.int32)
+            before = tl.zeros((E_PAD,), dtype=tl.int32)
+            for t0 in range(0, n_tiles, HIST_TILE):
+                t = t0 + tl.arange(0, HIST_TILE)
+                h = tl.load(hist_ptr + t[:, None] * E_PAD + experts[None, :], mask=(t < n_tiles)[:, None], other=0)
+                counts += tl.sum(h, axis=0)
+                before += tl.sum(h * (t < pid).to(tl.int32)[:, None], axis=0)
+        padded, start, end = _expert_layout(counts, BLOCK_M)
+        if PHASE == 0:
+            _place_rows(sorted_ptr, rows, e, hot, rank, start + before)
+        elif pid < n_tiles:
+            rows, e, hot, rank, hist = _tile_ranks(ids_ptr, pid * ROWS, n, E, ROWS, E_PAD)
+            _place_rows(sorted_ptr, rows, e, hot, rank, start + before)
+        if pid == 0:
+            tl.store(counts_ptr + experts, counts.to(tl.int64), mask=experts < E)
+            tl.store(padded_ptr + experts, padded.to(tl.int64), mask=experts < E)
+        if PHASE == 0:
+            for b0 in range(0, num_blocks, BLOCKS):
+                _write_blocks(sorted_ptr, block_expert_ptr, counts, start, end, b0, n, E, num_blocks,
+                              BLOCK_M, E_PAD, BLOCKS)
+        elif pid * BLOCKS < num_blocks:
+            _write_blocks(sorted_ptr, block_expert_ptr, counts, start, end, pid * BLOCKS, n, E, num_blocks,
+                          BLOCK_M, E_PAD, BLOCKS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dispatch_params(n: int, num_experts: int, block_m: int, tile: int) -> tuple:
+    """``(num_blocks, tiles, grid of the last launch, constexprs)`` of a dispatch of ``n`` rows."""
+    e_pad = _next_pow2(num_experts)
+    rows = max(16, min(1024, tile // e_pad))
+    tiles = -(-n // rows)
+    num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
+    grid = 1 if tiles == 1 else max(tiles, -(-num_blocks // _DISPATCH_BLOCKS))
+    kw = dict(BLOCK_M=block_m, E_PAD=e_pad, ROWS=rows, BLOCKS=_DISPATCH_BLOCKS,
+              HIST_TILE=max(1, min(64, tile // e_pad)), num_warps=8 if rows * e_pad > 4096 else 4)
+    return num_blocks, tiles, (grid,), kw
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(int(v) - 1, 0).bit_length()
+
+
+def _dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Dispatch:
+    """:func:`dispatch` of checked arguments (a contiguous, non-empty id table): the buffers
+    sized from the shapes, then the kernel."""
+    T, k = topk_ids.shape
+    n = T * k
+    dev = topk_ids.device
+    num_blocks, tiles, grid, kw = _dispatch_params(n, num_experts, block_m, _DISPATCH_TILE)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    counts, padded = torch.empty((2, num_experts), dtype=torch.int64, device=dev).unbind(0)
+    args = (sorted_ids, block_expert, counts, padded, n, num_experts, num_blocks, tiles)
+    if tiles == 1:
+        _dispatch_kernel[grid](topk_ids, sorted_ids, *args, PHASE=0, **kw)
+    else:
+        hist = torch.empty((tiles, kw["E_PAD"]), dtype=torch.int32, device=dev)
+        _dispatch_kernel[(tiles,)](topk_ids, hist, *args, PHASE=1, **kw)
+        _dispatch_kernel[grid](topk_ids, hist, *args, PHASE=2, **kw)
+    return Dispatch(sorted_ids, block_expert, counts, padded, n, num_experts, k, block_m)
+
+
 def dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, validate: bool = True) -> Dispatch:
-    """Stable deterministic sort of the (token, expert) pairs by expert then token, with each
-    expert's rows padded to a multiple of ``block_m`` (see :class:`Dispatch`).  ``validate``
-    checks that every id is in ``0..num_experts-1`` (a device sync on a GPU)."""
+    """The (token, expert) rows grouped by expert then by row id, each expert's rows padded to a
+    multiple of ``block_m`` (see :class:`Dispatch`): what a stable sort by expert gives, made
+    without one.  ``_dispatch_kernel`` counts each expert's rows with prefix sums over one-hot
+    tiles of the ids (no atomics, so no order of threads can show), places every row and marks
+    each block's expert; the buffers are sized from the shapes (a bound on the blocks), so
+    nothing is read back.  An id table of more rows than one tile (``_DISPATCH_TILE`` one-hot
+    elements) takes a second launch: per-tile counts first, then each tile placed after the
+    earlier tiles' rows.  ``validate`` checks that every id is in ``0..num_experts-1`` (a
+    device sync on a GPU); without it, an id outside the range is left out of every count
+    and slot."""
     checks.tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), dim=2)
     checks.positive_int("num_experts", num_experts)
     checks.positive_int("block_m", block_m)
@@ -344,25 +506,7 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, validate
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"topk_ids must lie in 0..{num_experts - 1}, got values in {lo}..{hi}")
-    dev = topk_ids.device
-    T, k = topk_ids.shape
-    n = T * k
-    flat = topk_ids.reshape(-1).long()
-    sorted_e, order = torch.sort(flat, stable=True)  # by expert; equal experts keep the id order
-    bounds = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, device=dev))
-    counts = bounds[1:] - bounds[:-1]
-    padded = (counts + block_m - 1) // block_m * block_m
-    pend = torch.cumsum(padded, 0)
-    pstart = pend - padded
-    rank = torch.arange(n, device=dev) - bounds[sorted_e]
-    dest = pstart[sorted_e] + rank
-    num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
-    sorted_ids = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=dev)
-    sorted_ids[dest] = order.to(torch.int32)
-    starts = torch.arange(num_blocks, device=dev) * block_m
-    be = torch.searchsorted(pend, starts, right=True)
-    block_expert = torch.where(be < num_experts, be, torch.full_like(be, -1)).to(torch.int32)
-    return Dispatch(sorted_ids, block_expert, counts, padded, n, int(num_experts), int(k), int(block_m))
+    return _dispatch(topk_ids, num_experts, block_m)
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,9 +607,15 @@ def _splitk_silu_kernel(ws_ptr, c_ptr, n_valid, N, s_cm, s_cn, SPLIT_K: tl.const
     tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :] * s_cn, from_f32(acc, c_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=4096)
+def _table_config(num_tokens, top_k, num_experts, dtype, impl) -> MoEConfig:
+    """:func:`select_config`, cached per shape."""
+    return select_config(num_tokens, top_k, num_experts, dtype, impl)
+
+
 def _resolve_config(config, num_tokens, top_k, num_experts, dtype, impl) -> MoEConfig:
     if config is None:
-        return select_config(num_tokens, top_k, num_experts, dtype, impl)
+        return _table_config(num_tokens, top_k, num_experts, dtype, impl)
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be None or a MoEConfig, got {type(config).__name__}")
     if impl == "invariant" and (config.block_k != MM.block_k(dtype) or config.split_k != 1):
@@ -508,7 +658,6 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, disp: Dispatch, *, activation
     if fuse and w.shape[1] % 2:
         raise ValueError(f"w must have an even number of rows (gate then up) for silu_mul, got {w.shape[1]}")
     N = w.shape[1] // 2 if fuse else w.shape[1]
-    K = w.shape[2]
     T = disp.num_valid // disp.top_k
     cfg = _resolve_config(config, T, disp.top_k, disp.num_experts, a.dtype, impl)
     if cfg.block_m != disp.block_m:
@@ -517,29 +666,46 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, disp: Dispatch, *, activation
         out = torch.empty((disp.num_valid, N), dtype=a.dtype, device=a.device)
     else:
         _check_out("out", out, (disp.num_valid, N), a.dtype, a)
-    split = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
-    # the invariant K order is the matmul's (chunks for a long K); the variant keeps its table's
-    chunk_blocks = MM.k_chunk_blocks(K, a.dtype) if impl == "invariant" else 0
-    width = 2 * N if fuse else N
-    ws = torch.empty((split, disp.num_valid, width), dtype=torch.float32, device=a.device) if split > 1 else out
-    _grouped_gemm_kernel[(disp.num_blocks, triton.cdiv(N, cfg.block_n), split)](
+    _grouped_gemm(a, w, disp, fuse, gather_tokens, impl, cfg, out)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemm_params(num_valid: int, num_blocks: int, N: int, K: int, dtype: torch.dtype, impl: str, cfg: MoEConfig,
+                 fuse: bool, a_div: int) -> tuple:
+    """``(grid, split, constexprs, grid of the split-K pass)`` of a grouped-GEMM launch, cached
+    per shape.  The invariant K order is the matmul's (chunks for a long K); the variant keeps
+    its table's split-K and K step."""
+    split = max(1, min(cfg.split_k, -(-K // cfg.block_k)))
+    chunk_blocks = MM.k_chunk_blocks(K, dtype) if impl == "invariant" else 0
+    kw = dict(A_DIV=a_div, FUSE_SILU=fuse, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+              CHUNK_BLOCKS=chunk_blocks, SPLIT_K=split, UPCAST=INTERPRET, num_warps=cfg.num_warps,
+              num_stages=cfg.num_stages)
+    return (num_blocks, -(-N // cfg.block_n), split), split, kw, (-(-num_valid // 32), -(-N // 64))
+
+
+def _grouped_gemm(a, w, disp, fuse, gather_tokens, impl, cfg, out) -> None:
+    """The grouped GEMM on checked arguments (``out`` (num_valid, N) given)."""
+    N = out.shape[1]
+    K = w.shape[2]
+    grid, split, kw, pass_grid = _gemm_params(disp.num_valid, disp.num_blocks, N, K, a.dtype, impl, cfg, fuse,
+                                              disp.top_k if gather_tokens else 1)
+    ws = out
+    if split > 1:
+        ws = torch.empty((split, disp.num_valid, 2 * N if fuse else N), dtype=torch.float32, device=a.device)
+    _grouped_gemm_kernel[grid](
         a, w, out, ws, disp.sorted_ids, disp.block_expert, disp.num_valid, N, K,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        A_DIV=disp.top_k if gather_tokens else 1, FUSE_SILU=fuse, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, CHUNK_BLOCKS=chunk_blocks, SPLIT_K=split, UPCAST=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1), **kw)
     if split > 1 and fuse:
-        _splitk_silu_kernel[(triton.cdiv(disp.num_valid, 32), triton.cdiv(N, 64))](
+        _splitk_silu_kernel[pass_grid](
             ws, out, disp.num_valid, N, out.stride(0), out.stride(1), SPLIT_K=split, BLOCK_M=32, BLOCK_N=64,
             num_warps=4,
         )
     elif split > 1:  # matmul's pass over [SPLIT_K, 1, num_valid, N] partials (no bias)
-        MM._splitk_reduce_kernel[(triton.cdiv(disp.num_valid, 32), triton.cdiv(N, 64), 1)](
+        MM._splitk_reduce_kernel[pass_grid + (1,)](
             ws, out, out, disp.num_valid, N, 1, 0, out.stride(0), out.stride(1), 0, 0,
             SPLIT_K=split, BLOCK_M=32, BLOCK_N=64, HAS_BIAS=False, num_warps=4,
         )
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -597,12 +763,25 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, *, impl: str = "invaria
     if impl == "reference":
         ref = (topk_weights.double().unsqueeze(-1) * y.double().view(T, k, H)).sum(1)
         return out.copy_(ref.to(y.dtype))
+    _combine(y, topk_weights, impl, out)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _combine_params(T: int, k: int, H: int, impl: str) -> tuple:
+    """``(grid, constexprs)`` of the combine kernel (:func:`combine_launch`), cached per shape."""
     lc = combine_launch(T, k, H, impl)
     bt, bh = lc["block_t"], lc["block_h"]
-    _combine_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](y, topk_weights, out, T, H, y.stride(0), out.stride(0),
-                                                              TOPK=k, BLOCK_T=bt, BLOCK_H=bh, LANES=lc["lanes"],
-                                                              num_warps=lc["num_warps"])
-    return out
+    return (-(-T // bt), -(-H // bh)), dict(TOPK=k, BLOCK_T=bt, BLOCK_H=bh, LANES=lc["lanes"],
+                                           num_warps=lc["num_warps"])
+
+
+def _combine(y, topk_weights, impl, out) -> None:
+    """The combine kernel on checked arguments."""
+    T, k = topk_weights.shape
+    H = y.shape[1]
+    grid, kw = _combine_params(T, k, H, impl)
+    _combine_kernel[grid](y, topk_weights, out, T, H, y.stride(0), out.stride(0), **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -661,15 +840,24 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     _check_moe_inputs(x, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, impl)
     if impl == "reference":
         return reference_moe(x, router_weight, w_gate_up, w_down, top_k, scoring=scoring, renormalize=renormalize)
-    T = x.shape[0]
+    T, H = x.shape
     E = router_weight.shape[0]
-    logits = MM.linear(x, router_weight, impl=impl)
-    weights, ids = route(logits, top_k, scoring=scoring, renormalize=renormalize, impl=impl)
-    cfg = _resolve_config(config, T, top_k, E, x.dtype, impl)
-    disp = dispatch(ids, E, cfg.block_m, validate=False)
-    h = grouped_gemm(x, w_gate_up, disp, activation="silu_mul", gather_tokens=True, impl=impl, config=cfg)
-    y = grouped_gemm(h, w_down, disp, impl=impl, config=cfg)
-    return combine(y, weights, impl=impl)
+    dt, dev = x.dtype, x.device
+    cfg = _resolve_config(config, T, top_k, E, dt, impl)
+    # every operand is checked contiguous above: the steps launch their kernels directly
+    logits = torch.empty((T, E), dtype=dt, device=dev)
+    MM._launch(x, router_weight, logits, None, impl, None, 1, T, E, H, (0, H, 1), (0, 1, H), (0, E, 1), (0, 0))
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
+    _route(logits, top_k, scoring, renormalize, impl, weights, ids)
+    disp = _dispatch(ids, E, cfg.block_m)
+    h = torch.empty((disp.num_valid, w_down.shape[2]), dtype=dt, device=dev)
+    _grouped_gemm(x, w_gate_up, disp, True, True, impl, cfg, h)
+    y = torch.empty((disp.num_valid, H), dtype=dt, device=dev)
+    _grouped_gemm(h, w_down, disp, False, False, impl, cfg, y)
+    out = torch.empty((T, H), dtype=dt, device=dev)
+    _combine(y, weights, impl, out)
+    return out
 
 
 def launch_info(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
