@@ -743,7 +743,7 @@ def linear(x, weight, bias=None, *, impl="invariant", out=None, config=None):
         return out if out is not None else res.view(lead + (N,))
     config = _config_arg(config)
     if out is None:
-        out = torch.empty(lead + (N,), dtype=x.dtype, device=x.device)
+        out = x.new_empty(lead + (N,))
         out2, sc = out, (0, N, 1)
     else:
         _check_out(out2, (M, N), x2, (("x", x2), ("weight", weight), ("bias", bias)))

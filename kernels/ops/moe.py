@@ -845,17 +845,17 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     dt, dev = x.dtype, x.device
     cfg = _resolve_config(config, T, top_k, E, dt, impl)
     # every operand is checked contiguous above: the steps launch their kernels directly
-    logits = torch.empty((T, E), dtype=dt, device=dev)
+    logits = x.new_empty((T, E))
     MM._launch(x, router_weight, logits, None, impl, None, 1, T, E, H, (0, H, 1), (0, 1, H), (0, E, 1), (0, 0))
     weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
     _route(logits, top_k, scoring, renormalize, impl, weights, ids)
     disp = _dispatch(ids, E, cfg.block_m)
-    h = torch.empty((disp.num_valid, w_down.shape[2]), dtype=dt, device=dev)
+    h = x.new_empty((disp.num_valid, w_down.shape[2]))
     _grouped_gemm(x, w_gate_up, disp, True, True, impl, cfg, h)
-    y = torch.empty((disp.num_valid, H), dtype=dt, device=dev)
+    y = x.new_empty((disp.num_valid, H))
     _grouped_gemm(h, w_down, disp, False, False, impl, cfg, y)
-    out = torch.empty((T, H), dtype=dt, device=dev)
+    out = torch.empty_like(x)
     _combine(y, weights, impl, out)
     return out
 
