@@ -308,7 +308,11 @@ def sampler_trainer_figure(runs: list):
         bins = np.logspace(np.log10(nz.min()) - 0.2, np.log10(nz.max()) + 0.2, 20)
         axes[0].hist(nz, bins=bins, color=COLORS["variant"], alpha=0.8, label=f"variant: {len(nz)} of {len(d)} tokens")
         axes[0].legend(fontsize=8)
-    axes[0].set_xscale("log")
+        axes[0].set_xscale("log")
+    else:
+        axes[0].text(0.5, 0.5, "variant: every sampled token's log-prob\nequal to the trainer's; the rows\n"
+                     "differ in other entries (KL > 0)", ha="center", va="center", transform=axes[0].transAxes,
+                     fontsize=8)
     axes[0].set_xlabel("|Δ log-prob| of the sampled token")
     axes[0].set_ylabel("tokens")
     inv = [r for r in runs if r["impl"] == "invariant"]
