@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from batch_invariance_kit.ops import attention as A
 from batch_invariance_kit.ops import matmul as MM
 from batch_invariance_kit.ops import moe
+from batch_invariance_kit.device import DEVICE
 from batch_invariance_kit.verify import emulator
 
 from attention_plan_reference import (assert_same_plan, reference_make_plan, reference_max_splits_upto,
@@ -330,7 +331,7 @@ def test_moe_dispatch_is_a_permutation_with_each_pair_once(T, E, block_m, data):
         ids = [data.draw(st.permutations(range(E)))[:k] for _ in range(T)]
     else:
         ids = [data.draw(st.lists(st.integers(0, E - 1), min_size=k, max_size=k)) for _ in range(T)]
-    topk = torch.tensor(ids, dtype=torch.int32).reshape(T, k)
+    topk = torch.tensor(ids, dtype=torch.int32, device=DEVICE).reshape(T, k)
     d = moe.dispatch(topk, E, block_m)
     n = T * k
     sid = d.sorted_ids.tolist()

@@ -500,6 +500,7 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, validate
     device sync on a GPU); without it, an id outside the range is left out of every count
     and slot."""
     checks.tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), dim=2)
+    checks.kernel_device("topk_ids", topk_ids)
     checks.positive_int("num_experts", num_experts)
     checks.positive_int("block_m", block_m)
     if validate:
