@@ -88,13 +88,14 @@ def fixed_order_matmul(a: np.ndarray, b: np.ndarray, acc: np.ndarray | None = No
         out = np.stack([fixed_order_matmul(a[i], b[i]) for i in range(a.shape[0])])
     else:
         k = a.shape[1]
-        p = a.T[:, :, None] * b[:, None, :]  # (K, M, N): each fold adds two contiguous slabs
+        # (K, M, N) products: each fold adds two contiguous slabs, in place
+        p = np.multiply(np.ascontiguousarray(a.T)[:, :, None], b[:, None, :])
         width = 1 << max(k - 1, 0).bit_length()
         if width != k:
             p = np.concatenate([p, np.zeros((width - k,) + p.shape[1:], dtype=ct)])
         while width > 1:
             width //= 2
-            p = p[:width] + p[width:]
+            np.add(p[:width], p[width:2 * width], out=p[:width])
         out = p[0] if k else np.zeros((a.shape[0], b.shape[1]), dtype=ct)
     return out if acc is None else acc + out.astype(acc.dtype, copy=False)
 
