@@ -42,7 +42,7 @@ def test_claim_invariant_and_claim_caught(capsys):
     harness.claim_caught("the batch-scaled twin", bad)
     assert capsys.readouterr().out == (f"scaling: {good.summary()}\n"
                                        "the batch-scaled twin caught: True\n")
-    with pytest.raises(harness.ClaimFailed, match="the batch-scaled twin is bitwise invariant .NOT invariant"):
+    with pytest.raises(harness.ClaimFailed, match="the batch-scaled twin: every row bitwise equal to the row alone; found NOT invariant"):
         harness.claim_invariant("the batch-scaled twin", bad)
     with pytest.raises(harness.ClaimFailed, match="scaling caught .the variant twin passed the same check"):
         harness.claim_caught("scaling", good)
@@ -72,5 +72,5 @@ def test_planted_variant_stops_the_matmul_chapter_at_its_claim(tmp_path):
             else:
                 os.environ[k] = v
     msg = str(e.value)
-    assert "ClaimFailed" in msg and "claim failed on" in msg and "invariant is bitwise invariant" in msg, msg[-3000:]
+    assert "ClaimFailed" in msg and "claim failed on" in msg and "invariant: every row bitwise equal to the row alone; found NOT invariant" in msg, msg[-3000:]
 

@@ -192,7 +192,8 @@ def claim_invariant(label: str, report: InvarianceReport) -> None:
     if report.checks == 0 or not report.passed:
         from ..device import describe
 
-        raise ClaimFailed(f"claim failed on {describe()}: {label} is bitwise invariant ({report.summary()})")
+        raise ClaimFailed(f"claim failed on {describe()}: {label}: every row bitwise equal to the row alone; "
+                          f"found {report.summary()}")
     print(f"{label}: {report.summary()}")
 
 
