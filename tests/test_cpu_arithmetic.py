@@ -154,7 +154,8 @@ _KERNEL_CHECK = textwrap.dedent("""
     out = {}
     for kind in ("fixed", "blas"):
         with T.tile_product(kind):
-            rep = harness.check_invariance(lambda x: MM.mm(x, W), make, [1, 2, 3, 8, 17], positions=(0, -1))
+            rep = harness.check_invariance(lambda x: MM.mm(x, W), make, [1, 2, 3, 5, 8, 16, 17, 33],
+                                           positions=(0, -1))
         out[kind] = rep.passed
     print(json.dumps(out))
 """)
