@@ -258,7 +258,7 @@ def query_tile(q_heads: int, kv_heads: int, config: AttnConfig | None = None, *,
     batch.  ``q_tile`` divides ``block_n`` (both powers of two, ``q_tile <= block_n``)."""
     cfg = _cfg(config)
     bm = cfg.decode_block_m if decode and cfg.decode_block_m is not None else cfg.block_m
-    qpk_pad = _next_pow2(q_heads // kv_heads)
+    qpk_pad = triton.next_power_of_2(q_heads // kv_heads)
     q_tile = max(1, min(bm // qpk_pad, cfg.block_n)) if qpk_pad <= bm else 1
     return q_tile, qpk_pad
 
@@ -267,11 +267,6 @@ def query_tile(q_heads: int, kv_heads: int, config: AttnConfig | None = None, *,
 def _query_tiles(q_heads: int, kv_heads: int, cfg: AttnConfig) -> tuple:
     """``(q_tile, qpk_pad, decode q_tile)`` of :func:`query_tile`, once per head layout and config."""
     return (*query_tile(q_heads, kv_heads, cfg), query_tile(q_heads, kv_heads, cfg, decode=True)[0])
-
-
-def _next_pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (``n >= 1``)."""
-    return 1 << (n - 1).bit_length()
 
 
 def _num_sms() -> int:
@@ -1210,7 +1205,7 @@ def make_plan(seq_lens, query_start_loc, *, q_heads: int, kv_heads: int, head_di
         max_splits = int((tok_pos[merge] // tok_split[merge]).max()) + 1
     else:
         max_splits = 1
-    d_pad = max(16, _next_pow2(head_dim))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
     ws_rows = max(1, (len(merge) + (0 if ser_d else n_pad)) * q_heads * max_splits)
     dec_warps, dec_stages = (cfg.serial_decode_warps, cfg.serial_decode_stages) if ser_d else \
         (cfg.num_warps, cfg.num_stages)

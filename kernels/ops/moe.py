@@ -308,7 +308,7 @@ def _router_params(T: int, E: int, top_k: int, scoring: str, renormalize: bool, 
     """``(grid, constexprs)`` of the router kernel (:func:`router_launch`), cached per shape."""
     lc = router_launch(T, E, impl)
     return (-(-T // lc["block_t"]),), dict(TOPK=top_k, BLOCK_T=lc["block_t"], BLOCK_E=lc["block_e"],
-                                           BLOCK_K=_next_pow2(top_k), LANES=lc["lanes"], SIGMOID=scoring == "sigmoid",
+                                           BLOCK_K=triton.next_power_of_2(top_k), LANES=lc["lanes"], SIGMOID=scoring == "sigmoid",
                                            RENORM=renormalize, num_warps=lc["num_warps"])
 
 
@@ -349,7 +349,7 @@ class Dispatch:
 
 
 #: Elements of the (rows x experts) one-hot tile a dispatch program holds: its rows per tile
-#: are ``_DISPATCH_TILE // next_pow2(E)`` (16 to 1024).  One tile of rows takes one launch;
+#: are ``_DISPATCH_TILE // next_power_of_2(E)`` (16 to 1024).  One tile of rows takes one launch;
 #: more take two (:func:`dispatch`).
 _DISPATCH_TILE = 16384
 #: Blocks of ``block_m`` rows whose expert and padding one program writes at a time
@@ -454,7 +454,7 @@ def _dispatch_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, counts_ptr
 @functools.lru_cache(maxsize=4096)
 def _dispatch_params(n: int, num_experts: int, block_m: int, tile: int) -> tuple:
     """``(num_blocks, tiles, grid of the last launch, constexprs)`` of a dispatch of ``n`` rows."""
-    e_pad = _next_pow2(num_experts)
+    e_pad = triton.next_power_of_2(num_experts)
     rows = max(16, min(1024, tile // e_pad))
     tiles = -(-n // rows)
     num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
@@ -462,10 +462,6 @@ def _dispatch_params(n: int, num_experts: int, block_m: int, tile: int) -> tuple
     kw = dict(BLOCK_M=block_m, E_PAD=e_pad, ROWS=rows, BLOCKS=_DISPATCH_BLOCKS,
               HIST_TILE=max(1, min(64, tile // e_pad)), num_warps=8 if rows * e_pad > 4096 else 4)
     return num_blocks, tiles, (grid,), kw
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(int(v) - 1, 0).bit_length()
 
 
 def _dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Dispatch:

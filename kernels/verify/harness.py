@@ -19,6 +19,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from ..device import describe
+
 __all__ = [
     "Mismatch",
     "InvarianceReport",
@@ -180,8 +182,6 @@ def claim(statement: str, holds, detail: str = "") -> None:
     statement, the device and ``detail``.  Chapters state their facts through this (or the two
     helpers below), so what they print is what they asserted."""
     if not bool(holds):
-        from ..device import describe
-
         raise ClaimFailed(f"claim failed on {describe()}: {statement}" + (f" ({detail})" if detail else ""))
     print(f"{statement}: True")
 
@@ -190,8 +190,6 @@ def claim_invariant(label: str, report: InvarianceReport) -> None:
     """Print ``"<label>: <report summary>"`` for a report that must pass (every row bitwise equal
     to the row alone); raise :class:`ClaimFailed` with the summary otherwise."""
     if report.checks == 0 or not report.passed:
-        from ..device import describe
-
         raise ClaimFailed(f"claim failed on {describe()}: {label}: every row bitwise equal to the row alone; "
                           f"found {report.summary()}")
     print(f"{label}: {report.summary()}")
