@@ -261,6 +261,8 @@ class Qwen3Model:
         def g(name):
             return self.weights[name].to(dtype=dt, device=dev).contiguous()
 
+        #: the attention heads this model computes (a tensor-parallel shard holds a slice of them)
+        self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.embed = g("model.embed_tokens.weight")
         self.layers = []
         for i in range(cfg.num_hidden_layers):
@@ -319,7 +321,7 @@ class Qwen3Model:
     def new_kv_cache(self, num_blocks: int, block_size: int) -> list:
         """One ``(k_cache, v_cache)`` pair per layer (the block table is shared by all layers)."""
         c = self.cfg
-        return [A.new_cache(num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=c.dtype,
+        return [A.new_cache(num_blocks, block_size, self.kv_heads, c.head_dim, dtype=c.dtype,
                             device=self.device) for _ in range(c.num_hidden_layers)]
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -329,6 +331,12 @@ class Qwen3Model:
         h = xf.shape[-1] // 2
         rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
         return (xf * cos + rot * sin).to(x.dtype)
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over tensor-parallel ranks of a row-parallel output (``o_proj``, the MLP or MoE
+        block): here, one rank holding every weight, the output itself.
+        :class:`batch_invariance_kit.serving.tensor_parallel.ShardedQwen3Model` sums its ranks'."""
+        return partial
 
     @torch.no_grad()
     def forward(self, batch: StepBatch, kv_cache: list, *, impl: str = "invariant", return_hidden: bool = False):
@@ -341,7 +349,7 @@ class Qwen3Model:
         im = resolve_impl(impl)
         lc = self.linear_config
         c = self.cfg
-        hq, hkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        hq, hkv, d, eps = self.q_heads, self.kv_heads, c.head_dim, c.rms_norm_eps
         T = batch.tokens.shape[0]
         x = self.embed[batch.tokens]
         residual = x
@@ -361,7 +369,7 @@ class Qwen3Model:
             A.write_kv(k.contiguous(), v, kc, vc, batch.slot_mapping)
             o = A.attention(q.contiguous(), kc, vc, batch.block_table, batch.seq_lens, batch.query_start_loc,
                             impl=im["attention"])
-            o = linear(o.reshape(T, hq * d), L.o, impl=im["linear"], config=lc)
+            o = self.all_reduce(linear(o.reshape(T, hq * d), L.o, impl=im["linear"], config=lc))
             h, residual = RN.fused_add_rms_norm(o, residual, L.post_norm, eps, impl=im["norm"])
             if c.is_moe:
                 m = MOE.fused_moe(h, L.router, L.experts_gate_up, L.experts_down, c.num_experts_per_tok,
@@ -371,6 +379,7 @@ class Qwen3Model:
                 inter = gu.shape[1] // 2
                 act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(gu.dtype)
                 m = linear(act, L.down, impl=im["linear"], config=lc)
+            m = self.all_reduce(m)
             nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             h, residual = RN.fused_add_rms_norm(m, residual, nxt, eps, impl=im["norm"])
         h = h[batch.logits_indices].contiguous()
