@@ -580,6 +580,10 @@ MERGE_COLUMNS = 32
 #: states per step of the left-fold merge (unrolled: their loads are in flight together); a
 #: load schedule, never the arithmetic
 FOLD_CHUNK = 16
+#: the serial launch folds a closed split under a branch (True) or by selects (False)
+FOLD_BRANCH = False
+EDGE_LOOPS = False
+NATIVE_CVT = True
 
 # --------------------------------------------------------------------------------------------
 # The kernels: partial states per split, then the fixed-order merge
@@ -616,31 +620,34 @@ def _row_sum(p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_blocks(bt_row, t, key_end, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr):
-    """Physical cache block of each key of KV tile ``t`` (keys ``>= key_end``: block 0, unread)."""
+def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok,
+             BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, EDGE: tl.constexpr):
+    """K (as ``(D, BLOCK_N)``) and V (``(BLOCK_N, D)``) of KV tile ``t`` from the paged cache,
+    through the block table.  ``EDGE``: the tile may reach ``key_end`` (keys ``>= key_end``
+    read as zeros, their block-table entries are not read); otherwise every key of the tile is
+    below it and the loads carry no key mask."""
     keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + keys // CACHE_BLOCK, mask=keys < key_end, other=0)
-
-
-@triton.jit
-def _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok,
-             BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr):
-    """K (as ``(D, BLOCK_N)``) and V (``(BLOCK_N, D)``) of KV tile ``t`` from the paged cache;
-    keys ``>= key_end`` read as zeros."""
-    keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_ok = keys < key_end
-    base = blk.to(tl.int64) * s_cb + (keys % CACHE_BLOCK) * s_cs + kv_off
-    kt = tl.load(kc_ptr + base[None, :] + d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
-    v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    if EDGE:
+        k_ok = keys < key_end
+        blk = tl.load(bt_row + keys // CACHE_BLOCK, mask=k_ok, other=0)
+        base = blk.to(tl.int64) * s_cb + (keys % CACHE_BLOCK) * s_cs + kv_off
+        kt = tl.load(kc_ptr + base[None, :] + d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        blk = tl.load(bt_row + keys // CACHE_BLOCK)
+        base = blk.to(tl.int64) * s_cb + (keys % CACHE_BLOCK) * s_cs + kv_off
+        kt = tl.load(kc_ptr + base[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
     return kt, v
 
 
 @triton.jit
 def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """One online-softmax step over KV tile ``t`` (keys ``>= limit`` of a row are masked):
-    the arithmetic every schedule shares, whatever the load schedule around it."""
-    keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
+                 UPCAST: tl.constexpr, EDGE: tl.constexpr, NATIVE: tl.constexpr):
+    """One online-softmax step over KV tile ``t``: the arithmetic every schedule shares, whatever
+    the load schedule around it.  ``EDGE``: the row's diagonal tile, where keys ``>= limit`` of
+    a row are masked (score ``-inf``); in every earlier tile each key is visible to each row of
+    the tile, and the mask, which would change nothing, is left out."""
     if UPCAST:
         kt = to_f32(kt)
     if kt.dtype == tl.float32:
@@ -648,7 +655,9 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
     else:
         s = tl.dot(q, kt)
     s = s * scale
-    s = tl.where(keys[None, :] < limit[:, None], s, float("-inf"))
+    if EDGE:
+        keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = tl.where(keys[None, :] < limit[:, None], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_use)
@@ -657,6 +666,8 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
         pv = tl.dot(p, v, input_precision="ieee")
     elif UPCAST:  # interpreter: p rounded to V's dtype (as on the GPU), then exact fp32 dot
         pv = tl.dot(to_f32(from_f32(p, v.dtype)), to_f32(v), input_precision="ieee")
+    elif NATIVE:  # the GPU's own conversion rounds to nearest even, as from_f32 does (p is finite)
+        pv = tl.dot(p.to(v.dtype), v)
     else:
         pv = tl.dot(from_f32(p, v.dtype), v)
     l = l * alpha + _row_sum(p, ROWS, BLOCK_N)
@@ -665,47 +676,54 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
 
 
 @triton.jit
-def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
-                 ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                 UPCAST: tl.constexpr):
+def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit,
+                 scale, ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+                 UPCAST: tl.constexpr, EDGE_LOOPS: tl.constexpr, NATIVE: tl.constexpr):
     """The fp32 state ``(m, l, acc)`` of one split: online softmax from scratch over KV tiles
-    ``t_lo .. t_hi - 1`` in increasing order."""
+    ``t_lo .. t_hi - 1`` in increasing order (the row's diagonal tile ``n_tiles - 1``, when the
+    split holds it, last and masked)."""
     key_end = tl.minimum(key_stop, t_hi * BLOCK_N)  # the split's last key + 1 (loads stop there)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
-    for t in range(t_lo, t_hi):
-        blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
-        kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
-        m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST)
+    if EDGE_LOOPS:
+        for t in range(t_lo, tl.minimum(t_hi, n_tiles - 1)):
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, False)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False, NATIVE)
+        for t in range(tl.maximum(t_lo, n_tiles - 1), t_hi):  # the diagonal tile
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, True)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, NATIVE)
+    else:
+        for t in range(t_lo, t_hi):
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, True)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, NATIVE)
     return m, l, acc
 
 
 @triton.jit
-def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
-               ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-               UPCAST: tl.constexpr):
-    """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
-    loop over the tiles (the loads of the next tile never wait for a split to close): each
-    split's state is built from scratch exactly as ``_split_state`` builds it, and when the
-    split's last tile is done it becomes the running state (split 0) or is folded into it
-    (``_fold``), in split order."""
-    key_end = tl.minimum(key_stop, n_tiles * BLOCK_N)
-    m = tl.full((ROWS,), float("-inf"), tl.float32)
-    l = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, D_PAD), tl.float32)
-    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
-    l_i = tl.zeros((ROWS,), tl.float32)
-    acc_i = tl.zeros((ROWS, D_PAD), tl.float32)
-    for t in range(0, n_tiles):
-        blk = _tile_blocks(bt_row, t, key_end, BLOCK_N, CACHE_BLOCK)
-        kt, v = _tile_kv(kc_ptr, vc_ptr, blk, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK)
-        m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST)
-        # when the split is complete: split 0 becomes the running state, a later one is folded
-        # into it; then the split state starts again.  Selects, not a branch: on the H200 the
-        # branch was slower (prefill 4k: 1208 vs 887 us; 2-warp decode at batch 64 about 3%)
-        done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
-        first = t < split_tiles
+def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off, s_cb, s_cs, d, d_ok, limit,
+                 scale, m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, EDGE: tl.constexpr, BRANCH: tl.constexpr,
+                 NATIVE: tl.constexpr):
+    """Tile ``t`` of the serial launch: the split state's online-softmax step, then, when the
+    split is complete, split 0 becomes the running state or a later split is folded into it
+    (``_fold``), and the split state starts again."""
+    kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, EDGE)
+    m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, EDGE, NATIVE)
+    done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
+    first = t < split_tiles
+    if BRANCH:
+        if done:
+            if first:
+                m = m_i
+                l = l_i
+                acc = acc_i
+            else:
+                m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+            m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+            l_i = tl.zeros_like(l_i)
+            acc_i = tl.zeros_like(acc_i)
+    else:
         m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
         m = tl.where(done, tl.where(first, m_i, m_f), m)
         l = tl.where(done, tl.where(first, l_i, l_f), l)
@@ -713,6 +731,39 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
         m_i = tl.where(done, float("-inf"), m_i)
         l_i = tl.where(done, 0.0, l_i)
         acc_i = tl.where(done, 0.0, acc_i)
+    return m, l, acc, m_i, l_i, acc_i
+
+
+@triton.jit
+def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
+               ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+               UPCAST: tl.constexpr, BRANCH: tl.constexpr, EDGE_LOOPS: tl.constexpr, NATIVE: tl.constexpr):
+    """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
+    loop over the tiles below the diagonal (the loads of the next tile never wait for a split
+    to close), then the diagonal tile: each split's state is built from scratch exactly as
+    ``_split_state`` builds it and, when the split's last tile is done, becomes the running
+    state (split 0) or is folded into it, in split order (``_serial_step``)."""
+    key_end = tl.minimum(key_stop, n_tiles * BLOCK_N)
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D_PAD), tl.float32)
+    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc_i = tl.zeros((ROWS, D_PAD), tl.float32)
+    if EDGE_LOOPS:
+        for t in range(0, n_tiles - 1):
+            m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
+                                                      kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, BRANCH, NATIVE)
+        for t in range(tl.maximum(n_tiles - 1, 0), n_tiles):  # the diagonal tile (none in a padding tile)
+            m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
+                                                      kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, BRANCH, NATIVE)
+    else:
+        for t in range(0, n_tiles):
+            m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
+                                                      kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, BRANCH, NATIVE)
     return m, l, acc
 
 
@@ -739,7 +790,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
                        q_heads, s_qt, s_qh, s_cb, s_cs, s_ch, s_bts, s_ot, s_oh,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       D_PAD: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr):
+                       D_PAD: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
+                       FOLD_BRANCH: tl.constexpr, EDGE_LOOPS: tl.constexpr, NATIVE: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
@@ -786,15 +838,17 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
     kv_off = kvh * s_ch
     if SERIAL:
         m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                               d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST)
+                               d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, FOLD_BRANCH,
+                               EDGE_LOOPS, NATIVE)
         o = acc / l[:, None]
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
         tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         t_lo = split * split_tiles
         t_hi = tl.minimum(t_lo + split_tiles, n_tiles)
-        m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit,
-                                 scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST)
+        m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d,
+                                 d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, EDGE_LOOPS,
+                                 NATIVE)
         keep = row_ok & ((rows * 0 + t_lo) < t_hi)
         # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
         w0 = (tl.load(tok_ws_ptr + tok, mask=row_ok, other=0).to(tl.int64) * q_heads + head) * max_splits
@@ -1264,7 +1318,8 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merg
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=g.q_tile, BLOCK_N=plan.config.block_n, CACHE_BLOCK=bs,
-            HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET,
+            HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, FOLD_BRANCH=FOLD_BRANCH,
+            EDGE_LOOPS=EDGE_LOOPS, NATIVE=NATIVE_CVT,
             num_warps=g.num_warps, num_stages=g.num_stages)
     if merging:
         d_blk = min(d_pad, MERGE_COLUMNS)
