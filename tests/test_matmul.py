@@ -140,15 +140,13 @@ def test_tma_configs_read_both_layouts(dtype, monkeypatch):
 def test_config_table():
     names = {c.name for c in MM.CONFIGS}
     assert {c.name for c in MM.invariant_candidates()} == names
-    assert all(name in names for row in MM.TABLE for name in row[1:])
-    picks = [MM.select_config(m, 4096).name for m in (1, 16, 17, 64, 65, 256, 257, 10 ** 6)]
-    assert picks == ["t64n32s8"] * 4 + ["mid_tma"] * 2 + ["wide_tma_ws"] * 2
-    picks = [MM.select_config(m, 12288).name for m in (1, 16, 17, 64, 65, 256, 257)]
-    assert picks == ["m16", "m16", "mid_tma", "mid_tma", "wide_tma", "wide_tma", "wide_tma_ws"]
-    picks = [MM.select_config(m, 151936).name for m in (1, 16, 17, 64, 65, 256, 257)]
-    assert picks == ["mid", "mid", "mid_tma", "mid_tma", "wide_tma", "wide_tma", "wide_tma_ws"]
-    assert MM.select_config(300, 4096, 4096, torch.float32).name == "large_tma"  # fp32: no 128x256 tile
-    assert MM.select_config(1, 4096, 100, torch.float32).name == "t64n32s8"  # a short K
+    assert set(MM.COST_MODEL.coef) == names  # the cost model weighs every config
+    for m in (1, 16, 17, 64, 65, 256, 257, 10 ** 6):
+        for n in (4096, 12288, 151936):
+            assert MM.select_config(m, n, 4096) in MM.CONFIGS
+    assert MM.select_config(300, 4096, 4096, torch.float32).block_m * \
+        MM.select_config(300, 4096, 4096, torch.float32).block_n <= 128 * 128  # fp32: no 128x256 tile
+    assert MM.select_config(1, 4096, 100, torch.float32) in MM.CONFIGS  # a short K
     assert MM.block_k(torch.bfloat16) == MM.block_k(torch.float16) == 64 and MM.block_k(torch.float32) == 32
     for m in MS:  # K order fixed: BLOCK_K and split_k never depend on M for the invariant impl
         info = MM.launch_info(m, N, 4096, torch.bfloat16)
@@ -160,12 +158,12 @@ def test_config_table():
     chunk = MM.k_chunk(10 ** 6, torch.bfloat16)
     long_k = 4 * chunk + 1
     assert MM.k_chunk(chunk, torch.bfloat16) == chunk and MM.k_chunk(2 * chunk, torch.bfloat16) == 2 * chunk
-    assert [MM.select_config(m, 4096, long_k).name for m in (1, 16, 17, 64, 65)] == \
-        ["m16c", "m16c", "midc", "midc", "mid_tma"]
     for m in MS:
         info = MM.launch_info(m, N, long_k, torch.bfloat16)
         assert info["k_chunk"] == chunk and info["split_k"] == 1
-        assert info["chunk_programs"] == (5 if info["config"] in ("m16c", "midc") else 1)
+        assert info["chunk_programs"] == (5 if MM._BY_NAME[info["config"]].split_chunks else 1)
+        info = MM.launch_info(m, N, long_k, torch.bfloat16, config="m16c")
+        assert info["chunk_programs"] == 5 and info["grid"][1] == 5
         assert info["grid"][1] == info["chunk_programs"]
     assert MM.launch_info(1, N, chunk, torch.bfloat16, config="m16c")["chunk_programs"] == 1  # not long
     assert MM.launch_info(1, N, long_k, torch.bfloat16, config="t64n32s8")["chunk_programs"] == 1
@@ -327,7 +325,9 @@ def test_bad_inputs_raise_naming_the_argument():
         (ValueError, "b has batch size 1", lambda: MM.bmm(a[None].expand(2, 4, 8), b[None])),
         (ValueError, "b has 4 rows per batch", lambda: MM.bmm(a[None], a[None])),
         (ValueError, "a must be 3-D", lambda: MM.bmm(a, b)),
-        (ValueError, "M must be", lambda: MM.select_config(-1)),
+        (ValueError, "M must be", lambda: MM.select_config(-1, 8, 8)),
+        (ValueError, "N must be", lambda: MM.select_config(1, 2.0, 8)),
+        (ValueError, "sms must be", lambda: MM.select_config(1, 8, 8, sms=0)),
     ]
     for exc, msg, call in cases:
         with pytest.raises(exc, match=msg):

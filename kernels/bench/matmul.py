@@ -4,11 +4,18 @@ against it.  Each function returns ``(rows, checks)`` in the shape of
 
 * :func:`first_divergence`: the first M at which a ``torch.mm`` row depends on the batch;
 * :func:`invariance_map`: ``torch.mm`` / ``bmm`` / ``F.linear`` under three cuBLAS set-ups;
-* :func:`sweep`: every config's bits and time beside cuBLAS (:func:`config_sweep`);
+* :func:`sweep`: eight (N, K) shapes, the configs' bits, the cost model's pick and its
+  runners-up timed beside cuBLAS (:func:`config_sweep`);
+* :func:`fit_cost_model`: the coefficients of :func:`batch_invariance_kit.ops.matmul.predict_us`
+  from such a sweep; :func:`leave_one_shape_out`: how well the model picks on a shape it was
+  not fit on;
 * :func:`cpu_invariance`: the invariant matmul and its split-K twin under the Triton interpreter.
 """
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
 
 from ..checks import DTYPES, dtype_name
@@ -65,15 +72,135 @@ def invariance_map(quick: bool, save=None) -> tuple:
     return rows, checks
 
 
-def sweep(quick: bool) -> tuple:
-    """:func:`config_sweep` at the chapter's shapes (bf16), the vocabulary projection included."""
-    if quick:  # two shapes, six Ms, plus the vocabulary projection at decode sizes
-        rows, checks = config_sweep([(4096, 4096), (4096, 12288)], [1, 16, 64, 256, 1024, 4096], torch.bfloat16,
-                                    reps=50)
-        more = config_sweep([(151936, 4096)], [1, 16], torch.bfloat16, reps=30)
-        return rows + more[0], checks + more[1]
-    shapes = [(4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096)]
-    return config_sweep(shapes, [1, 4, 16, 64, 256, 1024, 4096, 8192], torch.bfloat16, reps=50)
+#: (N, K, where from) of :func:`sweep`: the four shapes the cost model was fit on (Llama-style
+#: hidden 4096: a square projection, a wide N, a long K, a vocabulary) and four from models it
+#: never saw
+SHAPES = [
+    (4096, 4096, "hidden 4096, o_proj"),
+    (12288, 4096, "hidden 4096, fused gate/up of width 12288"),
+    (4096, 12288, "hidden 4096, down_proj of a 12288-wide MLP (long K)"),
+    (151936, 4096, "vocabulary projection (Qwen2 vocabulary)"),
+    (28672, 4096, "Llama-3-8B fused gate/up (2 x 14336)"),
+    (5120, 5120, "Qwen2.5-14B o_proj (hidden 5120)"),
+    (5120, 32768, "Mistral-Small-24B down_proj (intermediate 32768, long K)"),
+    (7168, 18432, "DeepSeek-V3 dense-layer down_proj (hidden 7168, intermediate 18432, long K)"),
+]
+#: the Ms of :func:`sweep`: decode batches to long prefills
+SWEEP_MS = [1, 8, 16, 64, 256, 1024, 4096]
+
+
+def sweep(quick: bool, save=None) -> tuple:
+    """:func:`config_sweep` over :data:`SHAPES` and :data:`SWEEP_MS` (bf16): per cell the cost
+    model's pick and its runners-up (the model's top 4; ``quick``: the four new shapes at three
+    Ms, top 2), the split-K variant and cuBLAS.  About 5 minutes on an H200 (``quick``: 1-2)."""
+    if quick:
+        return config_sweep([(n, k) for n, k, _ in SHAPES[4:]], [1, 256, 4096], torch.bfloat16, reps=30, top=2,
+                            save=save)
+    return config_sweep([(n, k) for n, k, _ in SHAPES], SWEEP_MS, torch.bfloat16, reps=50, top=4,
+                        deadline_s=330.0, save=save)
+
+
+# --------------------------------------------------------------------------------------------
+# The cost model's fit and its leave-one-shape-out check (CPU: reads a stored sweep)
+# --------------------------------------------------------------------------------------------
+
+#: grids of the fit: launch cost (us), GB/s, us per K step (4 decimals)
+FIT_LAUNCH_US = np.arange(0.0, 4.01, 0.5)
+FIT_GBS = np.arange(1500.0, 5001.0, 100.0)
+FIT_US_PER_STEP = np.round(np.geomspace(0.02, 3.0, 300), 4)
+
+
+def _kit_times(rows, dtype="bfloat16") -> dict:
+    """{(N, K, M): {config name: median us}} of the invariant configs' rows, and cuBLAS's under
+    the name ``"cublas"``."""
+    cells: dict = {}
+    for r in rows:
+        if r.get("op") != "mm" or r.get("dtype", dtype) != dtype or r.get("median_us") is None:
+            continue
+        impl = r["impl"]
+        if impl.startswith("kit-invariant:"):
+            name = impl.split(":", 1)[1]
+        elif impl == "cublas":
+            name = "cublas"
+        else:
+            continue
+        cells.setdefault((r["N"], r["K"], r["M"]), {})[name] = r["median_us"]
+    return cells
+
+
+def fit_cost_model(doc: dict, *, shapes=None) -> "MM.CostModel":
+    """Fit :class:`batch_invariance_kit.ops.matmul.CostModel` to a stored matmul sweep (``doc``:
+    ``{"provenance", "rows"}``; bf16 rows; ``shapes``: the (N, K) to fit on, None for all).
+
+    :func:`batch_invariance_kit.ops.matmul.predict_us` per config ``c`` is
+    ``launches * L + max(bytes / G_c, steps * S_c)``: one launch cost ``L`` for all configs, a
+    bandwidth ``G_c`` and a time per K step ``S_c`` per config.  The fit minimises the squared
+    log error over every timed (config, cell), by exhaustive search over fixed grids
+    (:data:`FIT_LAUNCH_US`, :data:`FIT_GBS`, :data:`FIT_US_PER_STEP`): deterministic, no
+    starting point.  ``steps`` use the sweep's SM count (its provenance)."""
+    if not isinstance(doc, dict) or "rows" not in doc:
+        raise ValueError("doc must be a stored sweep: a dict with 'rows' (and 'provenance')")
+    sms = int(doc.get("provenance", {}).get("sm_count") or MM.COST_MODEL.sms)
+    cells = _kit_times(doc["rows"])
+    if shapes is not None:
+        shapes = {tuple(s) for s in shapes}
+        cells = {k: v for k, v in cells.items() if k[:2] in shapes}
+    if not cells:
+        raise ValueError("doc has no bf16 mm rows of the invariant configs" + (" at shapes" if shapes else ""))
+    terms = {}  # config -> arrays over its timed cells
+    for c in MM.CONFIGS:
+        t = [(MM.cost_terms(c, m, n, k, torch.bfloat16, sms=sms, compiled=True), cell[c.name])
+             for (n, k, m), cell in sorted(cells.items()) if c.name in cell]
+        if not t:
+            raise ValueError(f"config {c.name!r} has no timed cell in doc: the model cannot be fit for it")
+        terms[c.name] = (np.array([x["bytes"] for x, _ in t], float), np.array([x["steps"] for x, _ in t], float),
+                         np.array([x["launches"] for x, _ in t], float), np.array([y for _, y in t], float))
+    best = None
+    for launch in FIT_LAUNCH_US:
+        total, coef = 0.0, {}
+        for name, (nbytes, steps, launches, obs) in terms.items():
+            mem = nbytes[:, None] / (FIT_GBS[None, :] * 1e3)  # cells x GB/s
+            comp = steps[:, None] * FIT_US_PER_STEP[None, :]  # cells x us per step
+            pred = launches[:, None, None] * launch + np.maximum(mem[:, :, None], comp[:, None, :])
+            err = (np.log(pred / obs[:, None, None]) ** 2).sum(axis=0)
+            i, j = np.unravel_index(int(err.argmin()), err.shape)
+            total += float(err[i, j])
+            coef[name] = (float(FIT_US_PER_STEP[j]), float(FIT_GBS[i]))
+        if best is None or total < best[0]:
+            best = (total, MM.CostModel(launch_us=float(launch), coef=coef, sms=sms))
+    return best[1]
+
+
+def leave_one_shape_out(doc: dict, *, model_for=None) -> list:
+    """For each (N, K) of the sweep ``doc``: fit the cost model on the other shapes
+    (:func:`fit_cost_model`), pick a config at each of its Ms and compare with the measured
+    times.  One row per (N, K, M): ``pick`` (the model's fastest among the configs the sweep
+    timed there), ``pick_untimed`` (its fastest of all, when the sweep did not time it),
+    ``best`` (the fastest timed config), ``pick_over_best`` (time ratio, >= 1) and
+    ``cublas_over_pick`` (cuBLAS's time / the pick's: >= 1 means the kit is as fast).
+    ``model_for(shapes) -> CostModel`` replaces the fit (e.g. the shipped model)."""
+    cells = _kit_times(doc["rows"])
+    sms = int(doc.get("provenance", {}).get("sm_count") or MM.COST_MODEL.sms)
+    shapes = sorted({k[:2] for k in cells})
+    out = []
+    for shape in shapes:
+        train = [s for s in shapes if s != shape]
+        model = fit_cost_model(doc, shapes=train) if model_for is None else model_for(train)
+        for (n, k, m), cell in sorted(cells.items()):
+            if (n, k) != shape:
+                continue
+            ranked = MM.rank_configs(m, n, k, torch.bfloat16, sms=sms, compiled=True, model=model)
+            timed = [c for _, c in ranked if c.name in cell]
+            if not timed:
+                continue
+            pick = timed[0].name
+            best = min((c.name for c in timed), key=lambda name: cell[name])
+            out.append({"N": n, "K": k, "M": m, "pick": pick,
+                        "pick_untimed": None if ranked[0][1].name in cell else ranked[0][1].name,
+                        "pick_us": cell[pick], "best": best, "best_us": cell[best],
+                        "pick_over_best": cell[pick] / cell[best],
+                        "cublas_over_pick": cell["cublas"] / cell[pick] if "cublas" in cell else None})
+    return out
 
 
 def cpu_invariance(quick: bool) -> tuple:
@@ -94,35 +221,38 @@ def cpu_invariance(quick: bool) -> tuple:
     return rows, checks
 
 
-def _worth_timing(c: MM.MMConfig, M: int) -> bool:
-    """The sweep times thin tiles for thin M and big tiles for big M only (its time budget)."""
-    area = c.block_m * c.block_n
-    if area <= 64 * 64:
-        return M <= 256
-    if area >= 128 * 128:
-        return M >= 256
-    return 16 <= M <= 4096
-
-
-def config_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: bool = True,
-                 rotate: bool = True) -> tuple:
+def config_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: bool = True, rotate: bool = True,
+                 top: int = 4, deadline_s: float | None = None, save=None) -> tuple:
     """On a CUDA GPU: for each ``(N, K)`` in ``shapes`` and each ``M`` in ``Ms``
 
-    (a) checks that every config of :func:`batch_invariance_kit.ops.matmul.invariant_candidates` gives the bits of the default
-        config (the table's pick for that M), and that the default config's rows for M equal
-        its rows for the largest M (so all Ms and all configs agree row by row); records
+    (a) checks that the configs it times give the bits of the default call (the cost model's
+        pick, :func:`batch_invariance_kit.ops.matmul.select_config`), that ``linear`` with the
+        (N, K) weight gives them too, and that the default's rows for M equal its rows for the
+        largest M (so all Ms agree row by row); at the largest M every config of
+        :func:`batch_invariance_kit.ops.matmul.invariant_candidates` is checked as well.  Records
         whether the split-K variant and cuBLAS rows differ (negative control / peer);
-    (b) times the configs worth timing at that M (:func:`_worth_timing`, and always the
-        table's pick), the variant and ``torch.mm`` (cuBLAS) with
-        :func:`batch_invariance_kit.bench.timing.median_us` (``graph``: CUDA-graph replays, the same for all;
-        ``rotate``: enough copies of the operands to exceed L2, so weights are read from HBM).
+    (b) times the model's ``top`` configs (:func:`batch_invariance_kit.ops.matmul.rank_configs`,
+        the pick first), the variant and ``torch.mm`` (cuBLAS) with
+        :func:`batch_invariance_kit.bench.timing.median_us` (``graph``: CUDA-graph replays, the
+        same for all; ``rotate``: enough copies of the operands to exceed L2, so weights are
+        read from HBM).  Past ``deadline_s`` seconds only the pick is timed beside the peers.
 
-    Returns ``(rows, checks)`` in the shape of :mod:`batch_invariance_kit.report.results`."""
+    Each kit row carries ``pick`` (the model's pick in that cell), ``rank`` and ``predicted_us``;
+    the pick's row also ``selected``, ``cublas_over_pick`` (cuBLAS's time / the pick's) and
+    ``pick_over_best`` (the pick's time / the fastest timed config's).  ``save(rows, checks)`` is
+    called after each shape.  Returns ``(rows, checks)`` in the shape of
+    :mod:`batch_invariance_kit.report.results`."""
     if not torch.cuda.is_available():
         raise RuntimeError("config_sweep needs a CUDA GPU")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be a positive int, got {top!r}")
     Ms = sorted(set(int(m) for m in Ms))
+    if not Ms or Ms[0] < 1:
+        raise ValueError(f"Ms must be positive row counts, got {Ms!r}")
     dname = dtype_name(dtype)
-    cands = MM.invariant_candidates()
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    t_start = time.perf_counter()
+    late = []  # cells timed after the deadline: the pick only
     rows, results = [], []
     for N, K in shapes:
         gen = torch.Generator(device="cuda").manual_seed(N * 100003 + K)
@@ -140,14 +270,22 @@ def config_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: boo
                 rows_bad.append(M)
             if not bitwise_equal(MM.linear(a, w), default):
                 bad_configs.append([M, "default", "linear"])
-            for c in cands:
+            ranked = MM.rank_configs(M, N, K, dtype, sms=sms, compiled=True)
+            pick = MM.select_config(M, N, K, dtype, sms=sms)
+            assert pick is ranked[0][1]
+            over = deadline_s is not None and time.perf_counter() - t_start > deadline_s
+            if over:
+                late.append([N, K, M])
+            timed_cfgs = [(rank, us, c) for rank, (us, c) in enumerate(ranked[:1 if over else top])]
+            checked = [c for _, _, c in timed_cfgs] + ([c for c in MM.invariant_candidates()
+                                                        if c not in [x for _, _, x in timed_cfgs]]
+                                                       if M == Ms[-1] else [])
+            for c in checked:
                 if c.name in failed:
                     continue
                 try:
                     if not bitwise_equal(MM.mm(a, b, config=c), default):
                         bad_configs.append([M, c.name])
-                    if not bitwise_equal(MM.linear(a, w, config=c), default):
-                        bad_configs.append([M, c.name, "linear"])
                 except Exception as e:  # a config that does not compile here: recorded, never timed
                     failed[c.name] = repr(e)[:400]
             if not bitwise_equal(MM.mm(a, b, impl="variant"), full[:M]):
@@ -161,23 +299,34 @@ def config_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: boo
             sets = rotating_sets(lambda: (a.clone(), b.clone(), torch.empty_like(o)), nbytes) if rotate \
                 else [(a, b, o)]
 
-            def timed(impl, fn):
+            def timed(impl, fn, **extra):
                 t, used = median_us_graph_or_plain(fn, reps=reps, rotate=sets, graph=graph)
                 us = t["median_us"]
-                rows.append({"op": "mm", "impl": impl, "dtype": dname, "M": M, "N": N, "K": K,
-                             "median_us": us, "p25_us": t["p25_us"], "p75_us": t["p75_us"],
-                             "tflops": flop / (us * 1e-6) / 1e12, "gbs": nbytes / (us * 1e-6) / 1e9,
-                             "cuda_graph": used, "rotating_sets": len(sets)})
+                row = {"op": "mm", "impl": impl, "dtype": dname, "M": M, "N": N, "K": K,
+                       "median_us": us, "p25_us": t["p25_us"], "p75_us": t["p75_us"],
+                       "tflops": flop / (us * 1e-6) / 1e12, "gbs": nbytes / (us * 1e-6) / 1e9,
+                       "cuda_graph": used, "rotating_sets": len(sets), "pick": pick.name, "sms": sms, **extra}
+                rows.append(row)
+                return row
 
-            for c in cands:
-                if c.name not in failed and (c is MM.select_config(M, N, K, dtype) or _worth_timing(c, M)):
-                    timed(f"kit-invariant:{c.name}", lambda x, y, z, c=c: MM.mm(x, y, config=c, out=z))
+            kit = {}
+            for rank, pred, c in timed_cfgs:
+                if c.name not in failed:
+                    kit[c.name] = timed(f"kit-invariant:{c.name}", lambda x, y, z, c=c: MM.mm(x, y, config=c, out=z),
+                                        rank=rank, predicted_us=pred, selected=c is pick)
             timed("kit-variant-splitk", lambda x, y, z: MM.mm(x, y, impl="variant", out=z))
-            timed("cublas", lambda x, y, z: torch.mm(x, y, out=z))
+            cub = timed("cublas", lambda x, y, z: torch.mm(x, y, out=z))
+            if pick.name in kit:
+                best = min(r["median_us"] for r in kit.values())
+                kit[pick.name]["cublas_over_pick"] = cub["median_us"] / kit[pick.name]["median_us"]
+                kit[pick.name]["pick_over_best"] = kit[pick.name]["median_us"] / best
+                print(f"  N={N:<6} K={K:<6} M={M:<5} pick {pick.name:<12} {kit[pick.name]['median_us']:9.1f} us  "
+                      f"cuBLAS {cub['median_us']:9.1f} us  ratio {kit[pick.name]['cublas_over_pick']:.2f}  "
+                      f"pick/best {kit[pick.name]['pick_over_best']:.2f}", flush=True)
             del sets
         shape = {"dtype": dname, "N": N, "K": K, "Ms": Ms}
-        results.append({"name": f"mm: every invariant config gives the default config's bits, as mm (K, N) and "
-                                f"as linear (N, K) ({dname}, N={N}, K={K})",
+        results.append({"name": f"mm: every timed config, and every config at M={Ms[-1]}, gives the pick's bits; "
+                                f"linear (N, K) gives them too ({dname}, N={N}, K={K})",
                         "passed": not bad_configs and not failed, "differing_M_config": bad_configs[:50],
                         "configs_failed_to_run": dict(failed), **shape})
         results.append({"name": f"mm: invariant rows equal across M ({dname}, N={N}, K={K})",
@@ -186,4 +335,14 @@ def config_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: boo
                         "passed": bool(variant_differs), "differing_M": variant_differs, **shape})
         results.append({"name": f"mm: cuBLAS rows depend on M (observed, not required; {dname}, N={N}, K={K})",
                         "passed": True, "informational": True, "differing_M": cublas_differs, **shape})
-    return rows, results
+        del a_all, b, w, full, full_cublas
+        if save is not None:
+            save(rows, results + _late_check(late, deadline_s))
+    return rows, results + _late_check(late, deadline_s)
+
+
+def _late_check(late, deadline_s) -> list:
+    if deadline_s is None:
+        return []
+    return [{"name": f"every cell timed the model's runners-up (cells past the {deadline_s:.0f} s budget "
+                     "timed the pick only)", "passed": not late, "informational": True, "late_cells": late}]

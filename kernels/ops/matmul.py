@@ -18,10 +18,10 @@ Public ops (each takes ``impl=``, ``out=`` and ``config=``):
   (the weight's shape), never of M, the matmul's twin of attention's fixed split size.  So
   thin-M configs may compute each chunk in its own program (``split_chunks``) and add the fp32
   chunk sums in the same order in a second kernel, with the same bits: more programs where
-  M is too thin to fill the GPU.  The M/N tiling (:data:`CONFIGS`, picked from M by
-  :func:`select_config`) only decides *which program* computes an element, not *how*, so any
-  config may be forced with ``config=`` and must give the same bits (tests and
-  :func:`batch_invariance_kit.bench.matmul.config_sweep` check that);
+  M is too thin to fill the GPU.  The M/N tiling (:data:`CONFIGS`) only decides *which
+  program* computes an element, not *how*, so any config may be forced with ``config=`` and
+  must give the same bits (tests and :func:`batch_invariance_kit.bench.matmul.config_sweep`
+  check that);
 * ``"variant"``: the same kernel launched like production: split-K picked from the shape
   (:func:`variant_split_k`: more splits for small M and long K, none from M = 256 on), fp32
   partial sums added in split order by a second kernel, then rounded.  Another M, another
@@ -35,6 +35,17 @@ accumulation fp32; the bias is widened to fp32 and added after the *whole* K red
 sum is rounded once to the input dtype (round to nearest even, by integer arithmetic for bf16:
 the Triton interpreter's own fp32->bf16 cast truncates).  ``K = 0`` gives ``0 + bias`` (zeros
 without a bias); ``M = 0`` or ``N = 0`` gives an empty output; nothing is launched for them.
+
+Config selection (:func:`select_config`) is therefore about speed only: a small cost model
+(:func:`predict_us`) predicts each config's time from the shape and the GPU's SM count, never
+from the data, as ``launches * launch_us + max(bytes / GB/s, steps * us per step)``: a
+memory-bound term (thin M streams the weight once, at the bandwidth that config's pipeline
+reaches) and a compute-bound term with wave quantisation (the busiest SM runs
+``ceil(programs / SMs)`` programs in turn, so 160 tiles on 132 SMs cost two tiles' time).  Two
+coefficients per config and one launch cost (:data:`COST_MODEL`) are fit to the H200 sweep by
+:func:`batch_invariance_kit.bench.matmul.fit_cost_model`; the pick is cached per shape.  A long
+K's split-chunks configs enter the same way: their extra programs, the fp32 chunk sums' bytes
+and the second launch are in the terms (:func:`cost_terms`).
 
 Strides: inputs of any strides (transposed weights, expanded views, slices) are read in place
 (the strides go to the kernel; nothing is copied); ``out`` may be strided too but must not
@@ -69,7 +80,11 @@ __all__ = [
     "IMPLS",
     "MMConfig",
     "CONFIGS",
-    "TABLE",
+    "CostModel",
+    "COST_MODEL",
+    "cost_terms",
+    "predict_us",
+    "rank_configs",
     "block_k",
     "k_chunk",
     "k_chunk_blocks",
@@ -115,13 +130,14 @@ class MMConfig:
         return asdict(self)
 
 
-#: The shipped configs (all give the same bits: the tests and the GPU sweep check it): the ones
-#: :data:`TABLE` picks and those within a few percent of the best in some cell of the H200 sweep
-#: (``results/h200/matmul_sweep.json``).  ``m16``: BLOCK_M = 16 compiles to ``mma.sync`` rather
-#: than ``wgmma`` on Hopper, with the same bits; thin-M configs with deep pipelines; TMA configs
-#: (``tma=True``: Hopper's bulk tensor copies from host tensor descriptors; ``warp_spec``: a
-#: warp-specialised K loop).  A persistent grid (``persistent=True``) gives the same bits too
-#: (tests), but no persistent config came within a few percent of the best in the sweep.
+#: The shipped configs (all give the same bits: the tests and the GPU sweep check it): each is
+#: within a few percent of the best in some cell of the H200 sweep
+#: (``results/h200/matmul_sweep.json``); :func:`select_config` weighs them all.  ``m16``: BLOCK_M =
+#: 16 compiles to ``mma.sync`` rather than ``wgmma`` on Hopper, with the same bits; thin-M configs
+#: with deep pipelines; TMA configs (``tma=True``: Hopper's bulk tensor copies from host tensor
+#: descriptors; ``warp_spec``: a warp-specialised K loop).  A persistent grid (``persistent=True``)
+#: gives the same bits too (tests), but no persistent config came within a few percent of the best
+#: in the sweep.
 CONFIGS = [
     MMConfig("mid", 64, 128, num_warps=4, num_stages=4, group_m=8),
     MMConfig("m16", 16, 64, num_warps=4, num_stages=4, group_m=1),
@@ -141,18 +157,36 @@ CONFIGS = [
 ]
 _BY_NAME = {c.name: c for c in CONFIGS}
 
-#: (largest M, config for N <= 8192, for N <= 65536, for larger N): the first row whose bound is
-#: >= M.  Chosen from the H200 sweep (results/h200/matmul_sweep.json: every candidate timed
-#: beside cuBLAS, every config proven to give the same bits): thin M wants narrow tiles and deep
-#: pipelines (memory-bound), wide N or M > 256 the 128x256 TMA tile.  fp32 takes "large_tma"
-#: for tiles over 128x128 (twice the bytes per element).
-TABLE = [(16, "t64n32s8", "m16", "mid"), (64, "t64n32s8", "mid_tma", "mid_tma"), (256, "mid_tma", "wide_tma", "wide_tma"),
-         (None, "wide_tma_ws", "wide_tma_ws", "wide_tma_ws")]
-#: the N bounds of TABLE's columns: N <= 8192, N <= 65536, larger (a vocabulary projection)
-TABLE_N = (8192, 65536)
-#: thin M over a long K (:func:`k_chunk` cuts K into chunks): one program per (tile, chunk), the
-#: first row whose bound is >= M; larger M uses TABLE (the chunk loop inside each program)
-TABLE_LONG_K = [(16, "m16c"), (64, "midc")]
+class CostModel(NamedTuple):
+    """Coefficients of :func:`predict_us`, fit by
+    :func:`batch_invariance_kit.bench.matmul.fit_cost_model` from a GPU sweep."""
+
+    #: host-to-kernel cost of one launch, us (a split-chunks launch makes two)
+    launch_us: float
+    #: config name -> (us per K step of one program, GB/s the config streams at)
+    coef: dict
+    #: SMs of the GPU it was fit on (the default SM count where no GPU is asked)
+    sms: int
+
+
+#: The shipped cost model, fit on the H200 sweep (``results/h200/matmul_sweep.json``, bf16) by
+#: :func:`batch_invariance_kit.bench.matmul.fit_cost_model` (a test refits it from that file and
+#: compares).  Every config of :data:`CONFIGS` has coefficients.
+COST_MODEL = CostModel(launch_us=2.5, sms=132, coef={
+    # name: (us per K step, GB/s)
+    "mid": (0.3571, 4100.0),
+    "m16": (0.2234, 4200.0),
+    "t64n32s8": (0.1598, 3000.0),
+    "t64n32s12": (0.1889, 2800.0),
+    "t16n32tma": (0.1087, 3100.0),
+    "m16c": (0.1921, 4100.0),
+    "midc": (0.4153, 4000.0),
+    "mid_tma": (0.2686, 3700.0),
+    "large_tma": (0.4367, 2200.0),
+    "tall_tma": (0.8118, 2500.0),
+    "wide_tma": (0.7983, 2400.0),
+    "wide_tma_ws": (0.785, 2400.0),
+})
 
 
 def block_k(dtype: torch.dtype) -> int:
@@ -194,31 +228,98 @@ def k_chunk_blocks(K: int, dtype: torch.dtype, *, compiled: bool | None = None) 
     return chunk // block_k(dtype) if chunk < K else 0
 
 
-def select_config(M: int, N: int = 0, K: int = 0, dtype: torch.dtype = torch.bfloat16, *,
-                  compiled: bool | None = None) -> MMConfig:
-    """The config the table picks for ``M`` rows of an (M, K) x (K, N) product.  Whatever is
-    picked, the bits are the same (the tiling over M/N never touches the K order).
-    ``compiled``: as in :func:`k_chunk` (which K is long)."""
-    if isinstance(M, bool) or not isinstance(M, int) or M < 0:
-        raise ValueError(f"M must be a non-negative int, got {M!r}")
-    block_k(dtype)
-    if K > 0 and k_chunk(K, dtype, compiled=compiled) < K:
-        for bound, name in TABLE_LONG_K:
-            if M <= bound:
-                return _BY_NAME[name]
-    column = 1 if N <= TABLE_N[0] else 2 if N <= TABLE_N[1] else 3
-    for row in TABLE:
-        if row[0] is None or M <= row[0]:
-            cfg = _BY_NAME[row[column]]
-            if dtype == torch.float32 and cfg.block_m * cfg.block_n > 128 * 128:
-                cfg = _BY_NAME["large_tma"]  # fp32 tiles: half the 16-bit budget
-            return cfg
-    raise AssertionError("unreachable: the table ends with an unbounded row")
+def _check_select_args(M, N, K, dtype, sms) -> int:
+    """Validate :func:`select_config`'s arguments; the SM count to use."""
+    for name, v in (("M", M), ("N", N), ("K", K)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    block_k(dtype)  # a float dtype, or TypeError
+    if sms is None:
+        return _default_sms()
+    if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
+        raise ValueError(f"sms must be a positive int, got {sms!r}")
+    return sms
+
+
+def _default_sms() -> int:
+    """SMs of the current GPU; under the interpreter, those of the GPU :data:`COST_MODEL` was fit on."""
+    return COST_MODEL.sms if INTERPRET else _sm_count(torch.cuda.current_device())
+
+
+def cost_terms(cfg: MMConfig, M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, sms: int,
+               compiled: bool | None = None) -> dict:
+    """The shape facts :func:`predict_us` weighs for ``cfg``: ``programs`` (output tiles times
+    programs along K), ``rounds`` (programs per SM on the busiest SM: ``ceil(programs / sms)``,
+    the wave quantisation), ``steps`` (BLOCK_K steps the busiest SM runs: rounds times the steps
+    of one program), ``bytes`` (A, B and C once, plus the fp32 chunk sums of a split-chunks
+    launch, written and read back) and ``launches`` (2 with a split-chunks second pass)."""
+    programs_k, per_program, _ = _k_plan("invariant", cfg, M, N, K, dtype, compiled)
+    programs = _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n) * programs_k
+    rounds = _cdiv(programs, sms)
+    elt = torch.empty((), dtype=dtype).element_size()
+    nbytes = (M * K + K * N + M * N) * elt + (2 * programs_k * M * N * 4 if programs_k > 1 else 0)
+    return {"programs": programs, "rounds": rounds, "steps": rounds * per_program, "bytes": nbytes,
+            "launches": 2 if programs_k > 1 else 1}
+
+
+def predict_us(cfg: MMConfig, M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, sms: int,
+               compiled: bool | None = None, model: CostModel | None = None) -> float:
+    """Predicted kernel time (us) of ``cfg`` for an (M, K) x (K, N) product on a GPU of ``sms``
+    SMs (:data:`COST_MODEL` unless ``model``)::
+
+        launches * launch_us + max(bytes / GB/s of cfg,  steps * us per step of cfg)
+
+    with the terms of :func:`cost_terms`.  The first term of the max is the memory-bound time
+    (thin M: the weight streamed once, at the bandwidth this config's pipeline reaches), the
+    second the compute-bound time with wave quantisation: a step is one BLOCK_K slice of one
+    output tile, and the busiest SM runs ``ceil(programs / sms)`` programs one after another
+    (several resident programs share its tensor cores), so 160 tiles on 132 SMs cost two
+    tiles' time, not 1.2."""
+    model = COST_MODEL if model is None else model
+    t = cost_terms(cfg, M, N, K, dtype, sms=sms, compiled=compiled)
+    us_per_step, gbs = model.coef[cfg.name]
+    return t["launches"] * model.launch_us + max(t["bytes"] / (gbs * 1e3), t["steps"] * us_per_step)
+
+
+def _candidates(dtype: torch.dtype) -> list:
+    """The configs :func:`select_config` weighs: all of :data:`CONFIGS`; for fp32 only tiles up
+    to 128 x 128 (fp32 tiles take twice the registers and shared memory of 16-bit ones)."""
+    if dtype == torch.float32:
+        return [c for c in CONFIGS if c.block_m * c.block_n <= 128 * 128]
+    return list(CONFIGS)
+
+
+def rank_configs(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, sms: int | None = None,
+                 compiled: bool | None = None, model: CostModel | None = None) -> list:
+    """``[(predicted us, config), ...]`` of :func:`select_config`'s candidates, fastest first
+    (ties: :data:`CONFIGS` order).  ``sms``: None for this process's GPU (:func:`_default_sms`)."""
+    sms = _check_select_args(M, N, K, dtype, sms)
+    cands = _candidates(dtype)
+    pred = [predict_us(c, max(M, 1), max(N, 1), max(K, 1), dtype, sms=sms, compiled=compiled, model=model)
+            for c in cands]
+    order = sorted(range(len(cands)), key=lambda i: (pred[i], i))
+    return [(pred[i], cands[i]) for i in order]
+
+
+@functools.lru_cache(maxsize=8192)
+def _select(M: int, N: int, K: int, dtype: torch.dtype, compiled: bool, sms: int) -> MMConfig:
+    return rank_configs(M, N, K, dtype, sms=sms, compiled=compiled)[0][1]
+
+
+def select_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *,
+                  compiled: bool | None = None, sms: int | None = None) -> MMConfig:
+    """The config the kit launches for an (M, K) x (K, N) product: the one :func:`predict_us`
+    predicts fastest on a GPU of ``sms`` SMs (None: this process's GPU, or the fit's under the
+    interpreter).  A function of the shape, the dtype and the SM count only (never of the
+    data), cached per shape; whatever it picks, the bits are the same (the tiling over M/N never
+    touches the K order).  ``compiled``: as in :func:`k_chunk` (which K is long, so which
+    configs run one program per K chunk)."""
+    sms = _check_select_args(M, N, K, dtype, sms)
+    return _select(M, N, K, dtype, (not INTERPRET) if compiled is None else bool(compiled), sms)
 
 
 def invariant_candidates() -> list:
-    """Every config a GPU sweep checks bitwise (all of :data:`CONFIGS`; it times each where
-    :func:`_worth_timing` says so, and always the table's pick)."""
+    """Every config a GPU sweep checks bitwise: all of :data:`CONFIGS`."""
     return list(CONFIGS)
 
 
@@ -233,7 +334,7 @@ def variant_split_k(M: int, N: int, K: int, dtype: torch.dtype) -> int:
 
 
 def _config_arg(config):
-    """The ``config=`` argument of an op: ``None`` (the table picks) or an :class:`MMConfig`
+    """The ``config=`` argument of an op: ``None`` (:func:`select_config` picks) or an :class:`MMConfig`
     (a name is looked up in :data:`CONFIGS`)."""
     if config is None or isinstance(config, MMConfig):
         return config
@@ -555,9 +656,10 @@ _REDUCE_M, _REDUCE_N = 32, 128
 def _plan(B: int, M: int, N: int, K: int, dtype: torch.dtype, impl: str, cfg, has_bias: bool,
           device: torch.device) -> _Plan:
     """The launch of ``impl`` for a (B, M, K) x (B, K, N) product (K > 0, non-empty output):
-    config (``cfg``: a forced :class:`MMConfig`, or ``None`` for the table's pick), K plan, grid,
+    config (``cfg``: a forced :class:`MMConfig`, or ``None`` for :func:`select_config`'s pick), K plan, grid,
     constexprs.  Cached per shape: an eager call looks it up and launches."""
-    cfg = select_config(M, N, K, dtype) if cfg is None else cfg
+    if cfg is None:  # the cost model's pick for one product on this device
+        cfg = select_config(M, N, K, dtype, sms=None if INTERPRET or device.index is None else _sm_count(device.index))
     bk = block_k(dtype)
     split, per_split, chunk_blocks = _k_plan(impl, cfg, M, N, K, dtype)
     tiles = B * _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)
@@ -596,7 +698,7 @@ def _launch(a, b, out, bias, impl, config, B, M, N, K, sa, sb, sc, sbias):
     through its element strides: ``sa`` (batch, m, k) of ``a``, ``sb`` (batch, k, n) of ``b``,
     ``sc`` (batch, m, n) of ``out``, ``sbias`` (m, n) of ``bias`` (stride 0 along a broadcast
     dim; ``bias`` None: no bias).  Nothing is launched for an empty output; ``K = 0`` gives
-    ``0 + bias``.  ``config``: None (the table) or an :class:`MMConfig`."""
+    ``0 + bias``.  ``config``: None (:func:`select_config`) or an :class:`MMConfig`."""
     if B == 0 or M == 0 or N == 0:
         return
     if K == 0:  # acc = 0, then + bias, then rounded: the same as the kernel would give

@@ -90,12 +90,16 @@ def _rms_norm(doc, out):
 def _matmul(doc, out):
     import torch
 
-    from ..ops import matmul as MM  # the table the kit uses picks the invariant config per (M, N)
+    from ..ops import matmul as MM  # the cost model the kit uses picks the invariant config per shape
 
+    sms = doc.get("provenance", {}).get("sm_count") or MM.COST_MODEL.sms
     cells = _timed(doc["rows"], lambda r: (r["N"], r["K"], r["M"], r.get("dtype", "bfloat16")))
     for (n, k, m, dtype), cell in sorted(cells.items()):
         inv, peers = _split(cell)
-        pick = "kit-invariant:" + MM.select_config(m, n, k, getattr(torch, dtype), compiled=True).name
+        # the sweep's own record of what the kit ran, else the model's pick for the sweep's GPU
+        picked = [name for name, r in inv.items() if r.get("selected")]
+        pick = picked[0] if picked else \
+            "kit-invariant:" + MM.select_config(m, n, k, getattr(torch, dtype), compiled=True, sms=int(sms)).name
         if pick not in inv or not peers:
             continue
         out.append(_row("matmul", f"M={m}, N={n}, K={k}", {"M": m, "N": n, "K": k, "dtype": dtype}, "us",

@@ -10,20 +10,20 @@ shared memory (ptxas's ``-v`` report; also a profiler of sorts when no GPU is at
 kernel whose shared memory exceeds what an sm_90 block may use fails as a compile error does:
 it would compile on the GPU too, and then refuse to launch.
 
-Which launches: the ones the ops' own host code makes.  In a process of its own, the kit is
+Which launches: the ones the ops' own host code makes. In a process of its own, the kit is
 imported *as on a GPU* (``INTERPRET`` false, so every launch rule of the compiled path applies:
 one row per RMSNorm program, ``UPCAST`` off, the GPU's long-K rule, the GPU's attention
 schedule; on a CPU the SM count and PDL support of an H200 stand in for the device queries),
-``JITFunction.run`` is replaced by a recorder, and each op is called through its public
-function at shapes that reach every shipped config: every cell of matmul's tables (16-bit and
-fp32, ``mm`` and ``linear``, short and long K), the attention schedule's launches (prefill and
-decode, split programs with the merge and serial programs), each RMSNorm op at the invariant
-block sizes and both variant blocks, the MoE router, grouped GEMM (every row of both tables,
-and a long hidden size, whose K is chunked, at every invariant row), both split-K passes and
-combine, the override's row kernels.  The recorder turns each launch's arguments into the
-compiler's signature, constexprs and attributes exactly as ``run`` would
-(Triton's binder), so what is compiled is what the GPU would compile.  A config added to a
-table is compiled without any change here; a kernel of the kit that no driver reaches
+``JITFunction.run`` is replaced by a recorder, and each op is called through its public function
+at shapes that reach every shipped config: every matmul config the cost model may pick (16-bit
+and fp32, ``mm`` and ``linear``, short and long K) and the model's own picks, the attention
+schedule's launches (prefill and decode, split programs with the merge and serial programs),
+each RMSNorm op at the invariant block sizes and both variant blocks, the MoE router, grouped
+GEMM (every row of both tables, and a long hidden size, whose K is chunked, at every invariant
+row), both split-K passes and combine, the override's row kernels. The recorder turns each
+launch's arguments into the compiler's signature, constexprs and attributes exactly as ``run``
+would (Triton's binder), so what is compiled is what the GPU would compile. A config added to
+:data:`CONFIGS` is compiled without any change here; a kernel of the kit that no driver reaches
 (:func:`kit_kernels`) fails the run.
 
 Run it in its own process (``python -m batch_invariance_kit.verify.sm90``): the kit must be
@@ -175,47 +175,44 @@ def _rms_norm(rec, dev):
                 rec.call(f"{op} {impl} {_dname(dt)} tokens={n} hidden={h}", f, *args, impl=impl)
 
 
-def _matmul_shapes():
-    """(Ms, Ns, Ks) reaching every cell of matmul's tables on a GPU: one M per table row, one
-    N per column, a K summed in one loop and a long K (cut into
-    chunks by :func:`k_chunk`'s rule for compiled kernels)."""
+def _matmul_ks():
+    """A K summed in one loop and a long K (cut into chunks by :func:`k_chunk`'s rule for
+    compiled kernels, with a partial last chunk)."""
     import torch
     from ..ops import matmul as MM
 
-    bounds = sorted({row[0] for row in MM.TABLE if row[0] is not None} | {b for b, _ in MM.TABLE_LONG_K})
-    ms = sorted(set(bounds) | {2 * bounds[-1]})
-    ns = [MM.TABLE_N[0], MM.TABLE_N[1], 2 * MM.TABLE_N[1]]
     short_k = 4096  # the benchmarks' hidden size
     long_k = short_k
     while MM.k_chunk(long_k, torch.bfloat16, compiled=True) == long_k:
         long_k *= 2
     if MM.k_chunk(short_k, torch.bfloat16, compiled=True) != short_k:
         short_k = MM.block_k(torch.bfloat16)
-    return ms, ns, [short_k, 3 * long_k // 2]
+    return [short_k, 3 * long_k // 2 + MM.k_chunk(long_k, torch.bfloat16, compiled=True) // 2]
 
 
 def _matmul(rec, dev):
     import torch
     from ..ops import matmul as MM
 
-    ms, ns, ks = _matmul_shapes()
-    for dt in (torch.bfloat16, torch.float32):  # fp32 has its own picks (tiles up to 128x128)
-        for N in ns:
-            for K in ks:
-                if N > MM.TABLE_N[1] and K > ks[0]:
-                    continue  # a vocabulary projection: K is the hidden size
-                w = torch.empty((N, K), dtype=dt, device=dev)
-                b = torch.empty((K, N), dtype=dt, device=dev)
-                bias = torch.empty(N, dtype=dt, device=dev)
-                for M in ms:
-                    a = torch.empty((M, K), dtype=dt, device=dev)
-                    tag = f"{_dname(dt)} M={M} N={N} K={K}"
-                    cfg = MM.select_config(M, N, K, dt).name
-                    rec.call(f"linear+bias invariant {cfg} {tag}", MM.linear, a, w, bias)  # B as (N, K)
-                    rec.call(f"mm invariant {cfg} {tag}", MM.mm, a, b)  # B as (K, N) rows, no bias
-                    if dt == torch.bfloat16 and N == ns[0] and K == ks[0]:
-                        rec.call(f"mm variant {tag}", MM.mm, a, b, impl="variant")
-                        rec.call(f"bmm invariant {cfg} {tag}", MM.bmm, a[None], b[None])
+    ks = _matmul_ks()
+    for dt in (torch.bfloat16, torch.float32):  # fp32 weighs tiles up to 128x128 only
+        for K in ks:
+            w = torch.empty((8192, K), dtype=dt, device=dev)
+            b = torch.empty((K, 8192), dtype=dt, device=dev)
+            bias = torch.empty(8192, dtype=dt, device=dev)
+            a = torch.empty((300, K), dtype=dt, device=dev)
+            for cfg in MM._candidates(dt):  # every config the cost model may pick, forced
+                tag = f"{_dname(dt)} M=300 N=8192 K={K}"
+                rec.call(f"linear+bias invariant {cfg.name} {tag}", MM.linear, a, w, bias, config=cfg)  # B as (N, K)
+                rec.call(f"mm invariant {cfg.name} {tag}", MM.mm, a, b, config=cfg)  # B as (K, N) rows
+            for M in (1, 16, 64, 256, 4096):  # the model's own picks (config=None), 1-row and 16-row specialisations
+                a = torch.empty((M, K), dtype=dt, device=dev)
+                tag = f"{_dname(dt)} M={M} N=8192 K={K}"
+                cfg = MM.select_config(M, 8192, K, dt).name
+                rec.call(f"linear+bias invariant {cfg} {tag}", MM.linear, a, w, bias)
+                if dt == torch.bfloat16 and K == ks[0]:
+                    rec.call(f"mm variant {tag}", MM.mm, a, b, impl="variant")
+                    rec.call(f"bmm invariant {cfg} {tag}", MM.bmm, a[None], b[None])
 
 
 def _attention(rec, dev):
