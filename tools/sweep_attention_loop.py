@@ -18,18 +18,16 @@ from batch_invariance_kit.ops import attention as A
 from batch_invariance_kit.report import results
 
 HQ, HKV, D = 32, 8, 128
-SWITCHES = ("NATIVE_CVT", "EDGE_LOOPS", "FOLD_BRANCH")
+SWITCHES = ("NATIVE_CVT", "EDGE_LOOPS", "FOLD_BRANCH", "NEUTRAL_FOLD")
 VARIANTS = [
-    ("base", (False, False, False), {}),
-    ("cvt", (True, False, False), {}),
-    ("cvt+edge", (True, True, False), {}),
-    ("cvt+branch", (True, False, True), {}),
-    ("cvt+edge+branch", (True, True, True), {}),
-    ("cvt w8", (True, False, False), dict(num_warps=8)),
-    ("cvt+edge w8", (True, True, False), dict(num_warps=8)),
-    ("cvt bm128 w8", (True, False, False), dict(block_m=128, num_warps=8)),
-    ("cvt+edge bm128 w8", (True, True, False), dict(block_m=128, num_warps=8)),
-    ("cvt s3", (True, False, False), dict(num_stages=3)),
+    ("base", (False, False, False, False), {}),
+    ("cvt+edge", (True, True, False, False), {}),
+    ("cvt+edge+neutral", (True, True, False, True), {}),
+    ("cvt+neutral+branch", (True, False, True, True), {}),
+    ("cvt+edge+neutral+branch", (True, True, True, True), {}),
+    ("cvt+edge+neutral+branch bm128 w8", (True, True, True, True), dict(block_m=128, num_warps=8)),
+    ("cvt+edge+neutral+branch s3", (True, True, True, True), dict(num_stages=3)),
+    ("cvt+edge+neutral+branch serial dec w4", (True, True, True, True), dict(serial_decode_warps=4)),
 ]
 PREFILL = [("prefill 1x1k", [1024]), ("prefill 1x4k", [4096]), ("prefill 1x16k", [16384]), ("prefill 8x2k", [2048] * 8)]
 DECODE = [("decode 8x8k", 8, 8192), ("decode 64x8k", 64, 8192), ("decode 16x32k", 16, 32768), ("decode 1x32k", 1, 32768)]

@@ -581,9 +581,10 @@ MERGE_COLUMNS = 32
 #: load schedule, never the arithmetic
 FOLD_CHUNK = 16
 #: the serial launch folds a closed split under a branch (True) or by selects (False)
-FOLD_BRANCH = False
-EDGE_LOOPS = False
+FOLD_BRANCH = True
+EDGE_LOOPS = True
 NATIVE_CVT = True
+NEUTRAL_FOLD = True
 
 # --------------------------------------------------------------------------------------------
 # The kernels: partial states per split, then the fixed-order merge
@@ -704,7 +705,7 @@ def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_of
 def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off, s_cb, s_cs, d, d_ok, limit,
                  scale, m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, EDGE: tl.constexpr, BRANCH: tl.constexpr,
-                 NATIVE: tl.constexpr):
+                 NATIVE: tl.constexpr, NEUTRAL: tl.constexpr):
     """Tile ``t`` of the serial launch: the split state's online-softmax step, then, when the
     split is complete, split 0 becomes the running state or a later split is folded into it
     (``_fold``), and the split state starts again."""
@@ -712,7 +713,22 @@ def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv
     m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, EDGE, NATIVE)
     done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
     first = t < split_tiles
-    if BRANCH:
+    if NEUTRAL:  # the running state starts empty: every split is folded into it, split 0 too
+        if BRANCH:
+            if done:
+                m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+                m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+                l_i = tl.zeros_like(l_i)
+                acc_i = tl.zeros_like(acc_i)
+        else:
+            m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+            m = tl.where(done, m_f, m)
+            l = tl.where(done, l_f, l)
+            acc = tl.where(done, acc_f, acc)
+            m_i = tl.where(done, float("-inf"), m_i)
+            l_i = tl.where(done, 0.0, l_i)
+            acc_i = tl.where(done, 0.0, acc_i)
+    elif BRANCH:
         if done:
             if first:
                 m = m_i
@@ -737,7 +753,8 @@ def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv
 @triton.jit
 def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
                ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-               UPCAST: tl.constexpr, BRANCH: tl.constexpr, EDGE_LOOPS: tl.constexpr, NATIVE: tl.constexpr):
+               UPCAST: tl.constexpr, BRANCH: tl.constexpr, EDGE_LOOPS: tl.constexpr, NATIVE: tl.constexpr,
+               NEUTRAL: tl.constexpr):
     """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
     loop over the tiles below the diagonal (the loads of the next tile never wait for a split
     to close), then the diagonal tile: each split's state is built from scratch exactly as
@@ -754,16 +771,16 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
         for t in range(0, n_tiles - 1):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, BRANCH, NATIVE)
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, BRANCH, NATIVE, NEUTRAL)
         for t in range(tl.maximum(n_tiles - 1, 0), n_tiles):  # the diagonal tile (none in a padding tile)
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, BRANCH, NATIVE)
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, BRANCH, NATIVE, NEUTRAL)
     else:
         for t in range(0, n_tiles):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, BRANCH, NATIVE)
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, BRANCH, NATIVE, NEUTRAL)
     return m, l, acc
 
 
@@ -791,7 +808,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_PAD: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
-                       FOLD_BRANCH: tl.constexpr, EDGE_LOOPS: tl.constexpr, NATIVE: tl.constexpr):
+                       FOLD_BRANCH: tl.constexpr, EDGE_LOOPS: tl.constexpr, NATIVE: tl.constexpr,
+                       NEUTRAL: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
@@ -839,7 +857,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
     if SERIAL:
         m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d,
                                d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, FOLD_BRANCH,
-                               EDGE_LOOPS, NATIVE)
+                               EDGE_LOOPS, NATIVE, NEUTRAL)
         o = acc / l[:, None]
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
         tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -861,7 +879,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
 def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_ptr, tok_split_ptr, max_splits,
                        q_heads, s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_BLK: tl.constexpr,
-                       CHUNK: tl.constexpr, PDL: tl.constexpr):
+                       CHUNK: tl.constexpr, PDL: tl.constexpr, NEUTRAL: tl.constexpr):
     """Program (token of a parallel launch, q head, block of ``D_BLK`` columns): the left fold
     of the row's split states 0, 1, 2, ... in fp32 (``_fold``), then ``out = acc / l`` rounded
     once to out's dtype.  A token entry ``-1`` (padding of a fixed-size plan) stores nothing.
@@ -883,10 +901,17 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_pt
     if PDL:  # launched early (programmatic dependent launch): wait for the split kernel's states
         gdc_wait()
     col = d * 0
-    m = tl.load(ws_ml_ptr + w * 2 + col)
-    l = tl.load(ws_ml_ptr + w * 2 + 1 + col)
-    acc = tl.load(ws_acc_ptr + w * D_PAD + d)
-    for c in range(1, n, CHUNK):  # CHUNK states per step: their loads are independent of the fold
+    if NEUTRAL:
+        m = tl.full((D_BLK,), float("-inf"), tl.float32)
+        l = tl.zeros((D_BLK,), tl.float32)
+        acc = tl.zeros((D_BLK,), tl.float32)
+        c0 = 0
+    else:
+        m = tl.load(ws_ml_ptr + w * 2 + col)
+        l = tl.load(ws_ml_ptr + w * 2 + 1 + col)
+        acc = tl.load(ws_acc_ptr + w * D_PAD + d)
+        c0 = 1
+    for c in range(c0, n, CHUNK):  # CHUNK states per step: their loads are independent of the fold
         for j in tl.static_range(CHUNK):
             live = col + c + j < n  # states past the row's last leave it as it is (a select)
             m_j = tl.load(ws_ml_ptr + (w + c + j) * 2 + col, mask=live, other=float("-inf"))
@@ -1319,13 +1344,14 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merg
             out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=g.q_tile, BLOCK_N=plan.config.block_n, CACHE_BLOCK=bs,
             HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, FOLD_BRANCH=FOLD_BRANCH,
-            EDGE_LOOPS=EDGE_LOOPS, NATIVE=NATIVE_CVT,
+            EDGE_LOOPS=EDGE_LOOPS, NATIVE=NATIVE_CVT, NEUTRAL=NEUTRAL_FOLD,
             num_warps=g.num_warps, num_stages=g.num_stages)
     if merging:
         d_blk = min(d_pad, MERGE_COLUMNS)
         _attn_merge_kernel[(mp.tokens.shape[0], hq, d_pad // d_blk)](
             mp.acc, mp.ml, out, mp.tokens, mp.pos, mp.split, mp.max_splits, hq,
             out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, D_BLK=d_blk, CHUNK=FOLD_CHUNK, PDL=pdl,
+            NEUTRAL=NEUTRAL_FOLD,
             num_warps=1, **({"launch_pdl": True} if pdl else {}))
     return out
 
