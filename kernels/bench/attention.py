@@ -203,8 +203,17 @@ def _fa3():
     return flash_attn_varlen_func if FA3_AVAILABLE else None
 
 
+#: (sequences, prompt length) of the prefill cells: one prompt of 1k, 4k and 16k tokens, and 8 of 2k
+PREFILL_CELLS = ((1, 1024), (1, 4096), (1, 16384), (8, 2048))
+
+
+def _causal_flops(seqs: int, n: int) -> float:
+    """FLOPs of causal prefill attention (q k^T and p v over the visible half), HQ heads of dim D."""
+    return 4.0 * seqs * n * (n + 1) / 2 * HQ * D
+
+
 def bench(quick: bool) -> tuple:
-    """Decode (batch 1/8/64 x context 1k/8k/32k) and prefill (1k/4k/8k): the kit's invariant
+    """Decode (batch 1/8/64 x context 1k/8k/32k) and prefill (:data:`PREFILL_CELLS`): the kit's invariant
     and variant kernels (planned once: the timed call is the kernel launches; the split kernels
     alone are timed too) vs SDPA on a gathered contiguous KV (enable_gqa; the gather is not
     timed) and, where vLLM is staged, FlashAttention-3 on the same paged cache with automatic
@@ -280,37 +289,41 @@ def bench(quick: bool) -> tuple:
             print(f"  decode B={B:<3} L={L:<6} " + " ".join(f"{k} {v:.1f}us" for k, v in cell.items())
                   + f" | split kernels {rows[first]['split_kernels_us']:.1f}us", flush=True)
             del c
-    for n in ((1024, 4096) if quick else (1024, 4096, 8192)):
-        gen = torch.Generator(device="cuda").manual_seed(n)
-        c = _paged(n, dtype, seed=n)
-        k = torch.randn((n, HKV, D), generator=gen, device="cuda").to(dtype)
-        v = torch.randn((n, HKV, D), generator=gen, device="cuda").to(dtype)
-        c.write(0, k, v, 0)
-        q = torch.randn((n, HQ, D), generator=gen, device="cuda").to(dtype)
-        _, bt, lens, qsl = c.args([(0, q, n)])
+    for seqs, n in (((1, 1024), (1, 4096)) if quick else PREFILL_CELLS):
+        gen = torch.Generator(device="cuda").manual_seed(n * seqs)
+        c = _paged(seqs * n, dtype, seed=n)
+        qs, ks, vs = zip(*(_seq(n, dtype, gen) for _ in range(seqs)))
+        for i in range(seqs):
+            c.write(i, ks[i], vs[i], 0)
+        q = torch.cat(qs)
+        _, bt, lens, qsl = c.args([(i, qs[i], n) for i in range(seqs)])
         out = torch.empty_like(q)
         scale = D ** -0.5
-        plan = _plan(q, [n], [0, n], config=cfg)
+        plan = _plan(q, [n] * seqs, [i * n for i in range(seqs + 1)], config=cfg)
         t_inv, g = _time(lambda: A.launch(plan, q, c.k, c.v, bt, scale, out))
-        rows.append({"op": "attention_prefill", "impl": "kit-invariant", "dtype": "bfloat16", "tokens": n,
-                     **t_inv, "cuda_graph": g})
-        q4, k4, v4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        shape = {"dtype": "bfloat16", "tokens": seqs * n, "seqs": seqs, "prompt": n}
+        rows.append({"op": "attention_prefill", "impl": "kit-invariant", **shape, **t_inv, "cuda_graph": g,
+                     "tflops": _causal_flops(seqs, n) / t_inv["median_us"] * 1e-6})
+        q4 = torch.stack(qs).transpose(1, 2)
+        k4, v4 = torch.stack(ks).transpose(1, 2), torch.stack(vs).transpose(1, 2)
         torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
         t_sd, g = _time(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
                                                                enable_gqa=True))
-        rows.append({"op": "attention_prefill", "impl": "sdpa", "dtype": "bfloat16", "tokens": n, **t_sd,
-                     "cuda_graph": g, "ratio_invariant_over_sdpa": t_inv["median_us"] / t_sd["median_us"]})
-        line = f"  prefill n={n}: inv {t_inv['median_us']:.1f}us sdpa {t_sd['median_us']:.1f}us"
+        rows.append({"op": "attention_prefill", "impl": "sdpa", **shape, **t_sd, "cuda_graph": g,
+                     "tflops": _causal_flops(seqs, n) / t_sd["median_us"] * 1e-6,
+                     "ratio_invariant_over_sdpa": t_inv["median_us"] / t_sd["median_us"]})
+        line = f"  prefill {seqs}x{n}: inv {t_inv['median_us']:.1f}us sdpa {t_sd['median_us']:.1f}us"
         if fa3 is not None:
             try:
                 t_fa, g = _time(lambda: fa3(q, c.k, c.v, n, qsl, n, seqused_k=lens, block_table=bt, softmax_scale=scale,
                                             causal=True, fa_version=3, out=out))
-                rows.append({"op": "attention_prefill", "impl": "fa3-paged", "dtype": "bfloat16", "tokens": n,
-                             **t_fa, "cuda_graph": g, "ratio_invariant_over_fa3": t_inv["median_us"] / t_fa["median_us"]})
+                rows.append({"op": "attention_prefill", "impl": "fa3-paged", **shape, **t_fa, "cuda_graph": g,
+                             "ratio_invariant_over_fa3": t_inv["median_us"] / t_fa["median_us"]})
                 line += f" fa3 {t_fa['median_us']:.1f}us"
             except Exception as e:
-                rows.append({"op": "attention_prefill", "impl": "fa3-paged", "tokens": n, "error": repr(e)[:300]})
+                rows.append({"op": "attention_prefill", "impl": "fa3-paged", **shape, "error": repr(e)[:300]})
         print(line, flush=True)
+        del c, q4, k4, v4
     checks.append({"name": "attention benchmark ran (timings are data, not pass/fail)", "passed": True,
                    "informational": True})
     cells = [(B, L) for L in ctxs for B in batches]

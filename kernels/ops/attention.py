@@ -30,7 +30,10 @@ the same way, whichever launch it is part of:
 
 1. keys are cut into KV tiles of ``block_n`` positions (tile ``j`` = keys ``j*block_n ..``),
    visited in increasing order; the row's own position lies in its *diagonal* tile
-   ``p // block_n``, where keys ``> p`` are masked (score ``-inf``);
+   ``p // block_n``, where keys ``> p`` are masked (score ``-inf``); every earlier tile is
+   visible to the whole row and carries no mask (the compiler may then contract the score's
+   scaling into the next subtraction there, and not in the diagonal tile: a function of the
+   position, like everything else here);
 2. tiles are grouped into *splits* of ``S(p)`` keys (a multiple of ``block_n``): split ``i``
    covers tiles ``i*S/block_n ..``; the row has ``ceil((p+1) / S)`` splits.  ``S`` is
    :func:`split_size_at`: ``min(split_size, block_n * next_pow2(ceil(n / split_target)))``
@@ -41,9 +44,11 @@ the same way, whichever launch it is part of:
    ``l`` and ``acc`` (``alpha = exp(m_old - m_new)``, ``p = exp(s - m_new)``, ``l = l*alpha +
    rowsum(p)``, ``acc = acc*alpha + p @ V``; 16-bit ``p`` is rounded to V's dtype for the
    tensor cores; ``rowsum`` is a fixed pairwise tree, below);
-3. the split states are merged by the *left fold* ``(((s0 + s1) + s2) + ...)`` with
-   ``M = max(m_a, m_b)``, ``l = fma(l_a, e^(m_a-M), l_b*e^(m_b-M))``, ``acc`` likewise
-   (:func:`_fold`); then ``out = acc / l`` rounded once (RNE) to q's dtype.
+3. the split states are merged by the *left fold* ``((((e + s0) + s1) + s2) + ...)`` from the
+   empty state ``e`` (``m = -inf``, ``l = 0``, ``acc = 0``), with ``M = max(m_a, m_b)``,
+   ``l = fma(l_a, e^(m_a-M), l_b*e^(m_b-M))``, ``acc`` likewise (:func:`_fold`); then
+   ``out = acc / l`` rounded once (RNE) to q's dtype.  (``e + s0`` is ``s0`` but for a ``-0``
+   in its ``acc``, which becomes ``+0``: every launch folds split 0 the same way.)
 
 Query tiles sit on an absolute grid
 -----------------------------------
@@ -580,11 +585,6 @@ MERGE_COLUMNS = 32
 #: states per step of the left-fold merge (unrolled: their loads are in flight together); a
 #: load schedule, never the arithmetic
 FOLD_CHUNK = 16
-#: the serial launch folds a closed split under a branch (True) or by selects (False)
-FOLD_BRANCH = True
-EDGE_LOOPS = True
-NATIVE_CVT = True
-NEUTRAL_FOLD = True
 
 # --------------------------------------------------------------------------------------------
 # The kernels: partial states per split, then the fixed-order merge
@@ -644,7 +644,7 @@ def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok,
 
 @triton.jit
 def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                 UPCAST: tl.constexpr, EDGE: tl.constexpr, NATIVE: tl.constexpr):
+                 UPCAST: tl.constexpr, EDGE: tl.constexpr):
     """One online-softmax step over KV tile ``t``: the arithmetic every schedule shares, whatever
     the load schedule around it.  ``EDGE``: the row's diagonal tile, where keys ``>= limit`` of
     a row are masked (score ``-inf``); in every earlier tile each key is visible to each row of
@@ -667,10 +667,8 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
         pv = tl.dot(p, v, input_precision="ieee")
     elif UPCAST:  # interpreter: p rounded to V's dtype (as on the GPU), then exact fp32 dot
         pv = tl.dot(to_f32(from_f32(p, v.dtype)), to_f32(v), input_precision="ieee")
-    elif NATIVE:  # the GPU's own conversion rounds to nearest even, as from_f32 does (p is finite)
+    else:  # the GPU's own conversion rounds to nearest even, as from_f32 does (p is finite)
         pv = tl.dot(p.to(v.dtype), v)
-    else:
-        pv = tl.dot(from_f32(p, v.dtype), v)
     l = l * alpha + _row_sum(p, ROWS, BLOCK_N)
     acc = acc * alpha[:, None] + pv
     return m_new, l, acc
@@ -679,7 +677,7 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
 @triton.jit
 def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit,
                  scale, ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                 UPCAST: tl.constexpr, EDGE_LOOPS: tl.constexpr, NATIVE: tl.constexpr):
+                 UPCAST: tl.constexpr):
     """The fp32 state ``(m, l, acc)`` of one split: online softmax from scratch over KV tiles
     ``t_lo .. t_hi - 1`` in increasing order (the row's diagonal tile ``n_tiles - 1``, when the
     split holds it, last and masked)."""
@@ -687,63 +685,36 @@ def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_of
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
-    if EDGE_LOOPS:
-        for t in range(t_lo, tl.minimum(t_hi, n_tiles - 1)):
-            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, False)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False, NATIVE)
-        for t in range(tl.maximum(t_lo, n_tiles - 1), t_hi):  # the diagonal tile
-            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, True)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, NATIVE)
-    else:
-        for t in range(t_lo, t_hi):
-            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, True)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, NATIVE)
+    for t in range(t_lo, tl.minimum(t_hi, n_tiles - 1)):
+        kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, False)
+        m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False)
+    for t in range(tl.maximum(t_lo, n_tiles - 1), t_hi):  # the diagonal tile, when the split holds it
+        kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, True)
+        m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True)
     return m, l, acc
 
 
 @triton.jit
 def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off, s_cb, s_cs, d, d_ok, limit,
                  scale, m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, EDGE: tl.constexpr, BRANCH: tl.constexpr,
-                 NATIVE: tl.constexpr, NEUTRAL: tl.constexpr):
+                 CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, EDGE: tl.constexpr, BRANCH: tl.constexpr):
     """Tile ``t`` of the serial launch: the split state's online-softmax step, then, when the
-    split is complete, split 0 becomes the running state or a later split is folded into it
-    (``_fold``), and the split state starts again."""
+    split is complete, it is folded into the running state (``_fold``) and the split state
+    starts again."""
     kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, EDGE)
-    m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, EDGE, NATIVE)
+    m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, EDGE)
     done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
-    first = t < split_tiles
-    if NEUTRAL:  # the running state starts empty: every split is folded into it, split 0 too
-        if BRANCH:
-            if done:
-                m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
-                m_i = tl.full((ROWS,), float("-inf"), tl.float32)
-                l_i = tl.zeros_like(l_i)
-                acc_i = tl.zeros_like(acc_i)
-        else:
-            m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
-            m = tl.where(done, m_f, m)
-            l = tl.where(done, l_f, l)
-            acc = tl.where(done, acc_f, acc)
-            m_i = tl.where(done, float("-inf"), m_i)
-            l_i = tl.where(done, 0.0, l_i)
-            acc_i = tl.where(done, 0.0, acc_i)
-    elif BRANCH:
+    if BRANCH:
         if done:
-            if first:
-                m = m_i
-                l = l_i
-                acc = acc_i
-            else:
-                m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+            m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
             m_i = tl.full((ROWS,), float("-inf"), tl.float32)
             l_i = tl.zeros_like(l_i)
             acc_i = tl.zeros_like(acc_i)
     else:
         m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
-        m = tl.where(done, tl.where(first, m_i, m_f), m)
-        l = tl.where(done, tl.where(first, l_i, l_f), l)
-        acc = tl.where(done, tl.where(first, acc_i, acc_f), acc)
+        m = tl.where(done, m_f, m)
+        l = tl.where(done, l_f, l)
+        acc = tl.where(done, acc_f, acc)
         m_i = tl.where(done, float("-inf"), m_i)
         l_i = tl.where(done, 0.0, l_i)
         acc_i = tl.where(done, 0.0, acc_i)
@@ -753,13 +724,17 @@ def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv
 @triton.jit
 def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
                ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-               UPCAST: tl.constexpr, BRANCH: tl.constexpr, EDGE_LOOPS: tl.constexpr, NATIVE: tl.constexpr,
-               NEUTRAL: tl.constexpr):
+               UPCAST: tl.constexpr, BRANCH: tl.constexpr):
     """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
     loop over the tiles below the diagonal (the loads of the next tile never wait for a split
     to close), then the diagonal tile: each split's state is built from scratch exactly as
-    ``_split_state`` builds it and, when the split's last tile is done, becomes the running
-    state (split 0) or is folded into it, in split order (``_serial_step``)."""
+    ``_split_state`` builds it and, when the split's last tile is done, is folded into the
+    running state, which starts empty, in split order (``_serial_step``).  ``BRANCH``: the fold
+    and the split state's restart under a branch taken when a split closes, or computed at
+    every tile and kept by selects: the same operations on the kept values, so the same bits.
+    On the H200 the branch is faster for 64-row programs (prefill 16k: 7.9 vs 8.4 ms) and the
+    selects for 16-row decode programs (64 x 8k: 489 vs 513 us;
+    ``results/h200/explorations/attention_loop``)."""
     key_end = tl.minimum(key_stop, n_tiles * BLOCK_N)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
@@ -767,20 +742,14 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
     acc_i = tl.zeros((ROWS, D_PAD), tl.float32)
-    if EDGE_LOOPS:
-        for t in range(0, n_tiles - 1):
-            m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
-                                                      kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, BRANCH, NATIVE, NEUTRAL)
-        for t in range(tl.maximum(n_tiles - 1, 0), n_tiles):  # the diagonal tile (none in a padding tile)
-            m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
-                                                      kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, BRANCH, NATIVE, NEUTRAL)
-    else:
-        for t in range(0, n_tiles):
-            m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
-                                                      kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, BRANCH, NATIVE, NEUTRAL)
+    for t in range(0, n_tiles - 1):
+        m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off,
+                                                  s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i, acc_i,
+                                                  ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, BRANCH)
+    for t in range(tl.maximum(n_tiles - 1, 0), n_tiles):  # the diagonal tile (none in a padding tile)
+        m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off,
+                                                  s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i, acc_i,
+                                                  ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, BRANCH)
     return m, l, acc
 
 
@@ -808,15 +777,15 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_PAD: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
-                       FOLD_BRANCH: tl.constexpr, EDGE_LOOPS: tl.constexpr, NATIVE: tl.constexpr,
-                       NEUTRAL: tl.constexpr):
+                       FOLD_BRANCH: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
-    the running state with the merge kernel's left fold (``_fold``) and writes ``acc / l``:
-    the same operations in the same order, so the same bits, without the workspace or the merge
+    the running state (empty at first) with the merge kernel's left fold (``_fold``) and writes
+    ``acc / l``: the same operations in the same order, so the same bits, without the workspace or the merge
     launch (the launch picks the mode; the bits never depend on it).  A tile of zero tokens (a
-    padding entry of a fixed-size plan) runs no loop iteration and stores nothing."""
+    padding entry of a fixed-size plan) runs no loop iteration and stores nothing.
+    ``FOLD_BRANCH``: how the serial loop keeps the fold (``_row_state``); work only."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -856,8 +825,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
     kv_off = kvh * s_ch
     if SERIAL:
         m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                               d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, FOLD_BRANCH,
-                               EDGE_LOOPS, NATIVE, NEUTRAL)
+                               d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, FOLD_BRANCH)
         o = acc / l[:, None]
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
         tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -865,8 +833,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
         t_lo = split * split_tiles
         t_hi = tl.minimum(t_lo + split_tiles, n_tiles)
         m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                                 d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, EDGE_LOOPS,
-                                 NATIVE)
+                                 d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST)
         keep = row_ok & ((rows * 0 + t_lo) < t_hi)
         # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
         w0 = (tl.load(tok_ws_ptr + tok, mask=row_ok, other=0).to(tl.int64) * q_heads + head) * max_splits
@@ -879,9 +846,9 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
 def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_ptr, tok_split_ptr, max_splits,
                        q_heads, s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_BLK: tl.constexpr,
-                       CHUNK: tl.constexpr, PDL: tl.constexpr, NEUTRAL: tl.constexpr):
+                       CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program (token of a parallel launch, q head, block of ``D_BLK`` columns): the left fold
-    of the row's split states 0, 1, 2, ... in fp32 (``_fold``), then ``out = acc / l`` rounded
+    of the row's split states 0, 1, 2, ... into the empty state in fp32 (``_fold``), then ``out = acc / l`` rounded
     once to out's dtype.  A token entry ``-1`` (padding of a fixed-size plan) stores nothing.
 
     The fold is column-wise: every column carries its own copy of ``m`` and ``l`` (the same
@@ -901,17 +868,10 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_pt
     if PDL:  # launched early (programmatic dependent launch): wait for the split kernel's states
         gdc_wait()
     col = d * 0
-    if NEUTRAL:
-        m = tl.full((D_BLK,), float("-inf"), tl.float32)
-        l = tl.zeros((D_BLK,), tl.float32)
-        acc = tl.zeros((D_BLK,), tl.float32)
-        c0 = 0
-    else:
-        m = tl.load(ws_ml_ptr + w * 2 + col)
-        l = tl.load(ws_ml_ptr + w * 2 + 1 + col)
-        acc = tl.load(ws_acc_ptr + w * D_PAD + d)
-        c0 = 1
-    for c in range(c0, n, CHUNK):  # CHUNK states per step: their loads are independent of the fold
+    m = tl.full((D_BLK,), float("-inf"), tl.float32)  # the empty state: split 0 is folded into it too
+    l = tl.zeros((D_BLK,), tl.float32)
+    acc = tl.zeros((D_BLK,), tl.float32)
+    for c in range(0, n, CHUNK):  # CHUNK states per step: their loads are independent of the fold
         for j in tl.static_range(CHUNK):
             live = col + c + j < n  # states past the row's last leave it as it is (a select)
             m_j = tl.load(ws_ml_ptr + (w + c + j) * 2 + col, mask=live, other=float("-inf"))
@@ -1343,15 +1303,13 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merg
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=g.q_tile, BLOCK_N=plan.config.block_n, CACHE_BLOCK=bs,
-            HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, FOLD_BRANCH=FOLD_BRANCH,
-            EDGE_LOOPS=EDGE_LOOPS, NATIVE=NATIVE_CVT, NEUTRAL=NEUTRAL_FOLD,
+            HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, FOLD_BRANCH=g is plan.tiles,
             num_warps=g.num_warps, num_stages=g.num_stages)
     if merging:
         d_blk = min(d_pad, MERGE_COLUMNS)
         _attn_merge_kernel[(mp.tokens.shape[0], hq, d_pad // d_blk)](
             mp.acc, mp.ml, out, mp.tokens, mp.pos, mp.split, mp.max_splits, hq,
             out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, D_BLK=d_blk, CHUNK=FOLD_CHUNK, PDL=pdl,
-            NEUTRAL=NEUTRAL_FOLD,
             num_warps=1, **({"launch_pdl": True} if pdl else {}))
     return out
 
