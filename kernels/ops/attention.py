@@ -31,9 +31,7 @@ the same way, whichever launch it is part of:
 1. keys are cut into KV tiles of ``block_n`` positions (tile ``j`` = keys ``j*block_n ..``),
    visited in increasing order; the row's own position lies in its *diagonal* tile
    ``p // block_n``, where keys ``> p`` are masked (score ``-inf``); every earlier tile is
-   visible to the whole row and carries no mask (the compiler may then contract the score's
-   scaling into the next subtraction there, and not in the diagonal tile: a function of the
-   position, like everything else here);
+   visible to the whole row (launches of many-token steps leave its mask out: no bit moves);
 2. tiles are grouped into *splits* of ``S(p)`` keys (a multiple of ``block_n``): split ``i``
    covers tiles ``i*S/block_n ..``; the row has ``ceil((p+1) / S)`` splits.  ``S`` is
    :func:`split_size_at`: ``min(split_size, block_n * next_pow2(ceil(n / split_target)))``
@@ -41,7 +39,8 @@ the same way, whichever launch it is part of:
    context, 128 up to 4096, 256 up to 8192, then 512), or ``split_size`` for every row when
    ``split_target`` is ``None``.  A function of the row's diagonal tile only.  Each split's
    state is an online softmax from scratch over its tiles in fp32: running max ``m``, sum
-   ``l`` and ``acc`` (``alpha = exp(m_old - m_new)``, ``p = exp(s - m_new)``, ``l = l*alpha +
+   ``l`` and ``acc`` (``alpha = exp(m_old - m_new)``, ``p = exp(s - m_new)`` with the
+   score's scaling fused into the subtraction on the GPU, ``l = l*alpha +
    rowsum(p)``, ``acc = acc*alpha + p @ V``; 16-bit ``p`` is rounded to V's dtype for the
    tensor cores; ``rowsum`` is a fixed pairwise tree, below);
 3. the split states are merged by the *left fold* ``((((e + s0) + s1) + s2) + ...)`` from the
@@ -646,23 +645,32 @@ def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok,
 def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
                  UPCAST: tl.constexpr, EDGE: tl.constexpr):
     """One online-softmax step over KV tile ``t``: the arithmetic every schedule shares, whatever
-    the load schedule around it.  ``EDGE``: the row's diagonal tile, where keys ``>= limit`` of
-    a row are masked (score ``-inf``); in every earlier tile each key is visible to each row of
-    the tile, and the mask, which would change nothing, is left out."""
+    the load schedule around it.  ``EDGE``: keys ``>= limit`` of a row are masked (score
+    ``-inf``, probability 0), as the row's diagonal tile needs; in an earlier tile every key is
+    visible to every row and the mask changes nothing (a launch may leave it out there: the
+    same bits).  The probability is ``exp(score * scale - m)`` with the scaling fused into the
+    subtraction (``fma``, one rounding) on the GPU, written out so that no compiler contracts
+    it in one tile and not in another; the interpreter rounds ``score * scale`` first."""
     if UPCAST:
         kt = to_f32(kt)
     if kt.dtype == tl.float32:
         s = tl.dot(q, kt, input_precision="ieee")
     else:
         s = tl.dot(q, kt)
-    s = s * scale
+    x = s * scale
     if EDGE:
         keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        s = tl.where(keys[None, :] < limit[:, None], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
+        vis = keys[None, :] < limit[:, None]
+        x = tl.where(vis, x, float("-inf"))
+    m_new = tl.maximum(m, tl.max(x, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_use)
-    p = tl.exp(s - m_use[:, None])
+    if UPCAST:
+        p = tl.exp(x - m_use[:, None])
+    else:
+        p = tl.exp(tl.fma(s, scale, -m_use[:, None]))
+        if EDGE:
+            p = tl.where(vis, p, 0.0)
     if v.dtype == tl.float32:
         pv = tl.dot(p, v, input_precision="ieee")
     elif UPCAST:  # interpreter: p rounded to V's dtype (as on the GPU), then exact fp32 dot
@@ -677,20 +685,28 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
 @triton.jit
 def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit,
                  scale, ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, WIDE: tl.constexpr):
     """The fp32 state ``(m, l, acc)`` of one split: online softmax from scratch over KV tiles
     ``t_lo .. t_hi - 1`` in increasing order (the row's diagonal tile ``n_tiles - 1``, when the
-    split holds it, last and masked)."""
+    split holds it, last).  ``WIDE``: the loop shape of the multi-token programs (``_row_state``)."""
     key_end = tl.minimum(key_stop, t_hi * BLOCK_N)  # the split's last key + 1 (loads stop there)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
-    for t in range(t_lo, tl.minimum(t_hi, n_tiles - 1)):
-        kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, False)
-        m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False)
-    for t in range(tl.maximum(t_lo, n_tiles - 1), t_hi):  # the diagonal tile, when the split holds it
-        kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, True)
-        m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True)
+    if WIDE:  # the tiles below the diagonal without masks, then the diagonal tile if the split holds it
+        for t in range(t_lo, tl.minimum(t_hi, n_tiles - 1)):
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
+                             False)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False)
+        for t in range(tl.maximum(t_lo, n_tiles - 1), t_hi):
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
+                             True)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True)
+    else:  # one loop, every tile masked
+        for t in range(t_lo, t_hi):
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
+                             True)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True)
     return m, l, acc
 
 
@@ -724,17 +740,20 @@ def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv
 @triton.jit
 def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
                ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-               UPCAST: tl.constexpr, BRANCH: tl.constexpr):
+               UPCAST: tl.constexpr, WIDE: tl.constexpr):
     """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
     loop over the tiles below the diagonal (the loads of the next tile never wait for a split
     to close), then the diagonal tile: each split's state is built from scratch exactly as
     ``_split_state`` builds it and, when the split's last tile is done, is folded into the
-    running state, which starts empty, in split order (``_serial_step``).  ``BRANCH``: the fold
-    and the split state's restart under a branch taken when a split closes, or computed at
-    every tile and kept by selects: the same operations on the kept values, so the same bits.
-    On the H200 the branch is faster for 64-row programs (prefill 16k: 7.9 vs 8.4 ms) and the
-    selects for 16-row decode programs (64 x 8k: 489 vs 513 us;
-    ``results/h200/explorations/attention_loop``)."""
+    running state, which starts empty, in split order (``_serial_step``).
+
+    Two loop shapes, the same operations on the kept values, so the same bits.  ``WIDE`` (the
+    64-row programs of multi-token steps): the tiles below the diagonal without masks, the
+    diagonal tile in a loop of its own, and the fold under a branch taken when a split closes;
+    otherwise (16-row decode programs) one loop masking every tile, the fold computed at every
+    tile and kept by selects.  On the H200 each shape is the faster one for its programs
+    (prefill 4k: 599 vs 873 us before either change; decode 64 x 8k: 489 vs 513 us with the
+    branch; ``results/h200/explorations/attention_loop``)."""
     key_end = tl.minimum(key_stop, n_tiles * BLOCK_N)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
@@ -742,14 +761,20 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
     acc_i = tl.zeros((ROWS, D_PAD), tl.float32)
-    for t in range(0, n_tiles - 1):
-        m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off,
-                                                  s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i, acc_i,
-                                                  ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, BRANCH)
-    for t in range(tl.maximum(n_tiles - 1, 0), n_tiles):  # the diagonal tile (none in a padding tile)
-        m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off,
-                                                  s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i, acc_i,
-                                                  ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, BRANCH)
+    if WIDE:
+        for t in range(0, n_tiles - 1):
+            m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
+                                                      kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, True)
+        for t in range(tl.maximum(n_tiles - 1, 0), n_tiles):  # the diagonal tile (none in a padding tile)
+            m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
+                                                      kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, True)
+    else:
+        for t in range(0, n_tiles):
+            m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
+                                                      kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, False)
     return m, l, acc
 
 
@@ -777,7 +802,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_PAD: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
-                       FOLD_BRANCH: tl.constexpr):
+                       WIDE: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
@@ -785,7 +810,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
     ``acc / l``: the same operations in the same order, so the same bits, without the workspace or the merge
     launch (the launch picks the mode; the bits never depend on it).  A tile of zero tokens (a
     padding entry of a fixed-size plan) runs no loop iteration and stores nothing.
-    ``FOLD_BRANCH``: how the serial loop keeps the fold (``_row_state``); work only."""
+    ``WIDE``: the loop shape of the 64-row multi-token programs (``_row_state``); work only."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -825,7 +850,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
     kv_off = kvh * s_ch
     if SERIAL:
         m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                               d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, FOLD_BRANCH)
+                               d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, WIDE)
         o = acc / l[:, None]
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
         tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -833,7 +858,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
         t_lo = split * split_tiles
         t_hi = tl.minimum(t_lo + split_tiles, n_tiles)
         m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                                 d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST)
+                                 d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, WIDE)
         keep = row_ok & ((rows * 0 + t_lo) < t_hi)
         # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
         w0 = (tl.load(tok_ws_ptr + tok, mask=row_ok, other=0).to(tl.int64) * q_heads + head) * max_splits
@@ -1303,7 +1328,7 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merg
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=g.q_tile, BLOCK_N=plan.config.block_n, CACHE_BLOCK=bs,
-            HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, FOLD_BRANCH=g is plan.tiles,
+            HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, WIDE=g is plan.tiles,
             num_warps=g.num_warps, num_stages=g.num_stages)
     if merging:
         d_blk = min(d_pad, MERGE_COLUMNS)
