@@ -3,11 +3,13 @@ twin (chunks cut by the message size) does not, from three ranks on; the kit's m
 2 and 4 gloo processes serves a request with the same bits alone and under load.
 
 One launch of 4 CPU processes (gloo) runs every distributed check (two concurrent TP=2 groups,
-then TP=4); the tests read its results.  Sizes (fp32, Triton interpreter): hidden 64, one layer,
-8 query / 4 key-value heads of dim 32 (``o_proj`` K = 256), intermediate 256 (``down`` K = 256),
-MoE 4 experts top-2 of intermediate 64, vocabulary 128.  Under the interpreter a K over 128 is
-summed in chunks of 64 (:func:`batch_invariance_kit.ops.matmul.k_chunk`): at TP=4 each shard of
-``o_proj`` and ``down`` is one such chunk, at TP=2 it is not.
+then TP=4); the tests read its results.  The dense model at TP=4, its ring negative control and
+its TP=4 == TP=1 result are chapter 10's checked claims (``book/10_tensor_parallel.ipynb``, run
+by nbval), not repeated here.  Sizes (fp32, Triton interpreter; attention dominates the time, so
+few heads and short prompts): hidden 64, one layer, heads of dim 16 (dense: 4 query / 2
+key-value, intermediate 128; MoE: 4 / 4, 4 experts top-2 of intermediate 64), vocabulary 128.
+Under the interpreter a K over 128 is summed in chunks of 64
+(:func:`batch_invariance_kit.ops.matmul.k_chunk`), so no shard here is such a chunk.
 """
 import pytest
 import torch
@@ -20,14 +22,14 @@ from batch_invariance_kit.serving.model import Qwen3Config
 from batch_invariance_kit.verify.harness import bitwise_equal, check_invariance, claim_caught, claim_invariant, \
     row_maker, seeded_normal
 
-DENSE = Qwen3Config(hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=8,
-                    num_key_value_heads=4, head_dim=32, vocab_size=128, max_position_embeddings=256, seed=0)
-MOE = Qwen3Config(hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=32, vocab_size=128, max_position_embeddings=256, seed=1,
-                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
-TARGET = Request(seeded_prompt(8, 1, 128), 2, req_id="target")
-# in the batch the target's prefill shares a 25-token step and its decode a 3-token step
-LOAD = [Request(seeded_prompt(12, 2, 128), 2, req_id="a"), Request(seeded_prompt(5, 3, 128), 2, req_id="b")]
+DENSE = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256, seed=0)
+MOE = Qwen3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                  vocab_size=128, max_position_embeddings=256, seed=1, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=64)
+TARGET = Request(seeded_prompt(4, 1, 128), 2, req_id="target")
+# in the batch the target's prefill shares a 13-token step and its decode a 3-token step
+LOAD = [Request(seeded_prompt(6, 2, 128), 2, req_id="a"), Request(seeded_prompt(3, 3, 128), 2, req_id="b")]
 ORDERS = ("fixed", "ring", "gloo")
 SIZES = [1, 3, 8, 17]
 LC = "wide_tma"  # one M/N tile per projection: fewer interpreted programs, the same bits
@@ -37,12 +39,12 @@ LC = "wide_tma"  # one M/N tile per projection: fewer interpreted programs, the 
 def gloo():
     """Every distributed check, in one launch of 4 gloo processes: reductions over TP=4 and
     TP=2 groups; the dense model (group 0) and the MoE model (group 1) at TP=2, concurrently;
-    the dense model at TP=4 with both orders."""
+    the MoE model at TP=4."""
     res = tp.run_ranks(4, tp.in_sequence,
                        (tp.reduction_check, (ORDERS, 64, SIZES), {"tp": 4}),
                        (tp.reduction_check, (ORDERS, 64, SIZES), {"tp": 2}),
                        (tp.load_check, ([DENSE, MOE], TARGET, LOAD), dict(tp=2, unsharded=True, linear_config=LC)),
-                       (tp.load_check, (DENSE, TARGET, LOAD, ("fixed", "ring")), dict(unsharded=True, linear_config=LC)))
+                       (tp.load_check, (MOE, TARGET, LOAD), dict(unsharded=True, linear_config=LC)))
     return {"reduce4": [r[0] for r in res], "reduce2": [r[1] for r in res], "serve2": [r[2] for r in res],
             "serve4": [r[3] for r in res]}
 
@@ -80,8 +82,8 @@ def test_two_ranks_any_order_same_bits():
 @pytest.mark.parametrize("world", [2, 4])
 def test_simulated_row_parallel_linear(world):
     """The same alone-vs-batch check passes the fixed order and, from 3 ranks on, catches the ring."""
-    w = seeded_normal((32, 128), 7) * 128 ** -0.5
-    make = row_maker(128, device=batch_invariance_kit.DEVICE)
+    w = seeded_normal((32, 64), 7) * 0.125
+    make = row_maker(64, device=batch_invariance_kit.DEVICE)
     w = w.to(batch_invariance_kit.DEVICE)
     reps = {o: check_invariance(lambda x, o=o: tp.row_parallel_linear(x, w, world, order=o), make, [1, 6, 13],
                                 positions=[0, -1]) for o in ("fixed", "ring")}
@@ -136,7 +138,7 @@ def _one_key(results, order):
 
 
 @pytest.mark.parametrize("part,group,is_moe", [("serve2", slice(0, 2), False), ("serve2", slice(2, 4), True),
-                                               ("serve4", slice(0, 4), False)], ids=["dense-tp2", "moe-tp2", "dense-tp4"])
+                                               ("serve4", slice(0, 4), True)], ids=["dense-tp2", "moe-tp2", "moe-tp4"])
 def test_sharded_model_alone_equals_in_batch(gloo, part, group, is_moe):
     results = gloo[part][group]
     assert all(r["cfg"].is_moe == is_moe for r in results)
@@ -144,15 +146,12 @@ def test_sharded_model_alone_equals_in_batch(gloo, part, group, is_moe):
     assert alone == in_batch
 
 
-def test_sharded_model_ring_caught_on_4_ranks(gloo):
-    alone, in_batch = _one_key(gloo["serve4"], "ring")
-    assert alone != in_batch
-
-
 def test_tp_equals_unsharded_only_when_shards_are_k_chunks(gloo):
     """Dense: TP=N has TP=1's bits when every row-parallel shard (``o_proj``'s and ``down``'s K)
     is exactly one K chunk of the invariant matmul, else not; MoE: never here (each rank combines
-    its top-k partials before the all-reduce, TP=1 combines whole expert outputs)."""
+    its top-k partials before the all-reduce, TP=1 combines whole expert outputs).  Measured here:
+    dense TP=2 and MoE TP=2 and TP=4 differ from TP=1; the aligned case (dense, TP=4) is equal
+    at the model level in chapter 10 and at the linear level above."""
     def aligned(cfg, n):
         ks = [cfg.num_attention_heads * cfg.head_dim, cfg.intermediate_size]
         return all(k_chunk(k, cfg.dtype) < k and k // n == k_chunk(k, cfg.dtype) for k in ks)
@@ -162,7 +161,7 @@ def test_tp_equals_unsharded_only_when_shards_are_k_chunks(gloo):
             if "unsharded" in r:
                 same = r["fixed"]["alone"] == r["unsharded"]
                 assert same == (not r["cfg"].is_moe and aligned(r["cfg"], n)), (part, r["cfg"].is_moe, same)
-    assert aligned(DENSE, 4) and not aligned(DENSE, 2)
+    assert not aligned(DENSE, 2)
 
 
 # ------------------------------------------------------------------------------ arguments
@@ -204,3 +203,8 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="tp"):
         tp.tp_group(4, 3)
 
+
+
+def test_a_failing_rank_is_reported():
+    with pytest.raises(RuntimeError, match=r"rank \d of 2 failed:(.|\n)*order must be one of"):
+        tp.run_ranks(2, tp.reduction_check, ("tree",), 8, [1])

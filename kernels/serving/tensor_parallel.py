@@ -155,7 +155,10 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, world: int, *, or
     _reduction(order, ("fixed", "ring"))
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("x and weight must be torch.Tensors")
-    K = weight.shape[-1]
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x (tokens, K) and weight (N, K) must be 2-D with one K, got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
+    K = weight.shape[1]
     parts = []
     for r in range(_count("world", world)):
         s = shard_range(K, r, world, name="weight.shape[1]")
@@ -282,16 +285,18 @@ def _rank_main(rank, world, init, fn, args, kwargs, results) -> None:
 
 def run_ranks(world: int, fn, *args, timeout: float = 600.0, **kwargs) -> list:
     """Run ``fn(rank, world, *args, **kwargs)`` in ``world`` fresh CPU processes joined in a gloo process
-    group (``torch.multiprocessing``'s spawn start; a ``file://`` rendezvous in a temporary
-    folder); returns their results in rank order.  ``fn`` and its arguments must pickle (``fn`` a
+    group (``torch.multiprocessing``'s forkserver start: a fresh process, not this one, imports
+    torch and the kit once and forks the ranks; a ``file://`` rendezvous in a temporary folder);
+    returns their results in rank order.  ``fn`` and its arguments must pickle (``fn`` a
     module-level function); a rank's exception is raised here as a RuntimeError with its
     traceback."""
     _count("world", world)
     if not callable(fn):
         raise TypeError(f"fn must be a module-level callable, got {type(fn).__name__}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # one fresh server imports torch and the kit, each rank forks from it
     results = ctx.Queue()
-    out, errors = {}, []
+    out = {}
     with tempfile.TemporaryDirectory() as tmp:
         init = "file://" + os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_rank_main, args=(r, world, init, fn, args, kwargs, results), daemon=True)
@@ -300,7 +305,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 600.0, **kwargs) -> list:
             p.start()
         waited = 0.0
         try:
-            while len(out) + len(errors) < world:
+            while len(out) < world:  # the first failure ends the launch (its peers would wait in a collective)
                 try:
                     r, ok, value = results.get(timeout=1.0)
                 except _queue.Empty:
@@ -310,15 +315,15 @@ def run_ranks(world: int, fn, *args, timeout: float = 600.0, **kwargs) -> list:
                         raise RuntimeError(f"ranks {dead or 'all'} of {world} gave no result "
                                            f"({'exited' if dead else f'{timeout:.0f} s passed'})")
                     continue
-                (out.__setitem__(r, value) if ok else errors.append(f"rank {r}:\n{value}"))
+                if not ok:
+                    raise RuntimeError(f"rank {r} of {world} failed:\n{value}")
+                out[r] = value
         finally:
             for p in procs:
-                p.join(timeout=5 if not errors else 0.1)
+                p.join(timeout=5 if len(out) == world else 0)
                 if p.is_alive():
                     p.terminate()
                     p.join()
-    if errors:
-        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
     return [out[r] for r in range(world)]
 
 
