@@ -893,10 +893,11 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_pt
     if PDL:  # launched early (programmatic dependent launch): wait for the split kernel's states
         gdc_wait()
     col = d * 0
-    m = tl.full((D_BLK,), float("-inf"), tl.float32)  # the empty state: split 0 is folded into it too
-    l = tl.zeros((D_BLK,), tl.float32)
-    acc = tl.zeros((D_BLK,), tl.float32)
-    for c in range(0, n, CHUNK):  # CHUNK states per step: their loads are independent of the fold
+    # split 0 folded into the empty state, then the rest CHUNK at a time
+    m, l, acc = _fold(tl.full((D_BLK,), float("-inf"), tl.float32), tl.zeros((D_BLK,), tl.float32),
+                      tl.zeros((D_BLK,), tl.float32), tl.load(ws_ml_ptr + w * 2 + col),
+                      tl.load(ws_ml_ptr + w * 2 + 1 + col), tl.load(ws_acc_ptr + w * D_PAD + d), 0)
+    for c in range(1, n, CHUNK):  # CHUNK states per step: their loads are independent of the fold
         for j in tl.static_range(CHUNK):
             live = col + c + j < n  # states past the row's last leave it as it is (a select)
             m_j = tl.load(ws_ml_ptr + (w + c + j) * 2 + col, mask=live, other=float("-inf"))
