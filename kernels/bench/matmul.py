@@ -171,6 +171,26 @@ def fit_cost_model(doc: dict, *, shapes=None) -> "MM.CostModel":
     return best[1]
 
 
+#: The stored H200 sweeps the shipped cost model is fit on (under ``results/h200``): every config
+#: timed at four (N, K), and the top configs of the model at eight (N, K).  The chapter's
+#: ``matmul_sweep.json`` is a later run of the part with the fitted model: it measures the picks.
+FIT_SOURCES = ("explorations/matmul_configs/every_config_four_shapes.json",
+               "explorations/matmul_configs/top_configs_eight_shapes.json")
+
+
+def fit_doc(root=None) -> dict:
+    """The rows of :data:`FIT_SOURCES` as one sweep document (a cell timed in both: the later
+    file's time), for :func:`fit_cost_model` and :func:`leave_one_shape_out`."""
+    import json
+    from pathlib import Path
+
+    from ..report.results import RESULTS
+
+    folder = Path(root) if root is not None else RESULTS / "h200"
+    docs = [json.loads((folder / name).read_text()) for name in FIT_SOURCES]
+    return {"provenance": docs[-1]["provenance"], "rows": [r for d in docs for r in d["rows"]]}
+
+
 def leave_one_shape_out(doc: dict, *, model_for=None) -> list:
     """For each (N, K) of the sweep ``doc``: fit the cost model on the other shapes
     (:func:`fit_cost_model`), pick a config at each of its Ms and compare with the measured
