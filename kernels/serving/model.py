@@ -247,7 +247,7 @@ class Qwen3Model:
     """The decoder.  ``Qwen3Model(cfg)`` draws the weights from ``cfg.seed``;
     ``Qwen3Model.from_pretrained(folder)`` reads a folder written by :meth:`save_pretrained`.
     ``linear_config``: the matmul M/N tiling forced on every projection (a name of
-    :data:`batch_invariance_kit.ops.matmul.CONFIGS`; ``None``: the table's pick per shape).  The
+    :data:`batch_invariance_kit.ops.matmul.CONFIGS`; ``None``: the cost model's pick per shape).  The
     tiling decides which program computes an output element, never how, so it changes no bits of
     the invariant kernels; under the Triton interpreter a wider tile means fewer programs."""
 
