@@ -301,8 +301,19 @@ def run_ranks(world: int, fn, *args, timeout: float = 600.0, **kwargs) -> list:
         init = "file://" + os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_rank_main, args=(r, world, init, fn, args, kwargs, results), daemon=True)
                  for r in range(world)]
-        for p in procs:
-            p.start()
+        # CPU processes on a GPU box too: the server (started with the first rank) and every rank
+        # forked from it see no GPU, so the kit runs its kernels under the Triton interpreter
+        # there as on a CPU machine (a forked process could not use CUDA anyway)
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
         waited = 0.0
         try:
             while len(out) < world:  # the first failure ends the launch (its peers would wait in a collective)
