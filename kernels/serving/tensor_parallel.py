@@ -284,36 +284,30 @@ def _rank_main(rank, world, init, fn, args, kwargs, results) -> None:
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 600.0, **kwargs) -> list:
-    """Run ``fn(rank, world, *args, **kwargs)`` in ``world`` fresh CPU processes joined in a gloo process
+    """Run ``fn(rank, world, *args, **kwargs)`` in ``world`` fresh processes joined in a gloo process
     group (``torch.multiprocessing``'s forkserver start: a fresh process, not this one, imports
-    torch and the kit once and forks the ranks; a ``file://`` rendezvous in a temporary folder);
+    torch and the kit once and forks the ranks; on a machine with CUDA, the spawn start: every
+    rank imports them itself and runs the kit's compiled kernels on the GPU, the collectives
+    moving host copies either way; a ``file://`` rendezvous in a temporary folder);
     returns their results in rank order.  ``fn`` and its arguments must pickle (``fn`` a
     module-level function); a rank's exception is raised here as a RuntimeError with its
     traceback."""
     _count("world", world)
     if not callable(fn):
         raise TypeError(f"fn must be a module-level callable, got {type(fn).__name__}")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])  # one fresh server imports torch and the kit, each rank forks from it
+    if torch.cuda.is_available():  # CUDA cannot be used in a forked process: each rank starts afresh
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])  # one fresh server imports torch and the kit, each rank forks from it
     results = ctx.Queue()
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         init = "file://" + os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_rank_main, args=(r, world, init, fn, args, kwargs, results), daemon=True)
                  for r in range(world)]
-        # CPU processes on a GPU box too: the server (started with the first rank) and every rank
-        # forked from it see no GPU, so the kit runs its kernels under the Triton interpreter
-        # there as on a CPU machine (a forked process could not use CUDA anyway)
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            if saved is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        for p in procs:
+            p.start()
         waited = 0.0
         try:
             while len(out) < world:  # the first failure ends the launch (its peers would wait in a collective)
