@@ -36,6 +36,10 @@ setup() {
   "$vpy" -m pip install -q --no-deps -e .
 }
 
+# the slowest test files and chapters on a 2-core CPU machine, slowest first
+SLOWEST="book/07_end_to_end.ipynb book/09_what_invariance_buys.ipynb tests/test_e2e.py tests/test_vllm_engine.py
+  tests/test_vllm_attention.py tests/test_vllm_check.py tests/test_attention.py"
+
 case "${1:-}" in
   book)
     setup
@@ -44,9 +48,11 @@ case "${1:-}" in
     ;;
   test)
     setup
-    # every core: pytest-xdist, one test file or notebook per worker (later -n/--dist arguments win)
-    .venv/bin/python -m pytest -n auto --dist loadfile tests book --nbval --nbval-sanitize-with book/sanitize.cfg \
-      -p no:cacheprovider "${@:2}"
+    # every core: pytest-xdist, one test file or notebook per worker (later -n/--dist arguments win).
+    # The slowest files are named first: workers take files in this order, so the longest ones
+    # start at once instead of leaving one worker busy at the end (pytest collects each file once).
+    .venv/bin/python -m pytest -n auto --dist loadfile $SLOWEST tests book --nbval \
+      --nbval-sanitize-with book/sanitize.cfg -p no:cacheprovider "${@:2}"
     ;;
   *)
     echo "usage: bash tools/kit.sh book|test [pytest args]" >&2
