@@ -69,7 +69,8 @@ def main(argv=None) -> int:
         ap.error(f"part(s) {elsewhere} need a CUDA GPU; none is present")
     out = Path(args.out) if args.out else results.local_dir()
     out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python -m batch_invariance_kit.validate", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python -m batch_invariance_kit.validate",
+                        *map(results.portable, argv if argv is not None else sys.argv[1:])])
     done, failed = [], False
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name} ...", flush=True)

@@ -34,7 +34,7 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _portable(arg: str) -> str:
+def portable(arg: str) -> str:
     """A command-line argument without the machine's folders: a path inside the repository
     relative to its root, any other absolute path as ``<dir>/`` + its last component."""
     if not arg.startswith("/"):
@@ -51,8 +51,8 @@ def _command() -> str:
     argv = list(sys.argv)
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    head = ["python", "-m", spec.name] if spec is not None and spec.name else ["python", _portable(argv[0])]
-    return " ".join(head + [_portable(a) for a in argv[1:]])
+    head = ["python", "-m", spec.name] if spec is not None and spec.name else ["python", portable(argv[0])]
+    return " ".join(head + [portable(a) for a in argv[1:]])
 
 
 def provenance(command: str | None = None) -> dict:
