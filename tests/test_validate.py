@@ -15,7 +15,9 @@ def test_validate_quick_writes_json_and_report(tmp_path):
     assert rc == 0
     doc = json.loads((tmp_path / f"{name}.json").read_text())
     assert doc["checks"] and all(c["passed"] for c in doc["checks"])
-    assert doc["provenance"]["command"] == f"python -m batch_invariance_kit.validate --quick --only {name} --out {tmp_path}"
+    # the output folder is recorded without the machine's folders above it
+    assert doc["provenance"]["command"] == \
+        f"python -m batch_invariance_kit.validate --quick --only {name} --out <dir>/{tmp_path.name}"
     report = (tmp_path / "report.md").read_text()
     assert f"| {name} |" in report and "checks passed" in report
 
