@@ -13,13 +13,16 @@ against it.  Each function returns ``(rows, checks)`` in the shape of
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..checks import DTYPES, dtype_name
 from ..ops import matmul as MM
+from ..report.results import RESULTS
 from ..verify import divergence
 from ..verify.harness import bitwise_equal, check_invariance, row_maker, seeded_normal
 from .timing import median_us_graph_or_plain, rotating_sets
@@ -72,9 +75,8 @@ def invariance_map(quick: bool, save=None) -> tuple:
     return rows, checks
 
 
-#: (N, K, where from) of :func:`sweep`: the four shapes the cost model was fit on (Llama-style
-#: hidden 4096: a square projection, a wide N, a long K, a vocabulary) and four from models it
-#: never saw
+#: (N, K, where from) of :func:`sweep`: four Llama-style hidden-4096 shapes (a square projection,
+#: a wide N, a long K, a vocabulary), the configs' first sweep, and four from other models
 SHAPES = [
     (4096, 4096, "hidden 4096, o_proj"),
     (12288, 4096, "hidden 4096, fused gate/up of width 12288"),
@@ -128,6 +130,11 @@ def _kit_times(rows, dtype="bfloat16") -> dict:
     return cells
 
 
+def _sweep_sms(doc: dict) -> int:
+    """The SM count of the GPU a stored sweep ran on (its provenance; the fit's GPU if absent)."""
+    return int(doc.get("provenance", {}).get("sm_count") or MM.COST_MODEL.sms)
+
+
 def fit_cost_model(doc: dict, *, shapes=None) -> "MM.CostModel":
     """Fit :class:`batch_invariance_kit.ops.matmul.CostModel` to a stored matmul sweep (``doc``:
     ``{"provenance", "rows"}``; bf16 rows; ``shapes``: the (N, K) to fit on, None for all).
@@ -140,7 +147,7 @@ def fit_cost_model(doc: dict, *, shapes=None) -> "MM.CostModel":
     starting point.  ``steps`` use the sweep's SM count (its provenance)."""
     if not isinstance(doc, dict) or "rows" not in doc:
         raise ValueError("doc must be a stored sweep: a dict with 'rows' (and 'provenance')")
-    sms = int(doc.get("provenance", {}).get("sm_count") or MM.COST_MODEL.sms)
+    sms = _sweep_sms(doc)
     cells = _kit_times(doc["rows"])
     if shapes is not None:
         shapes = {tuple(s) for s in shapes}
@@ -181,11 +188,6 @@ FIT_SOURCES = ("explorations/matmul_configs/every_config_four_shapes.json",
 def fit_doc(root=None) -> dict:
     """The rows of :data:`FIT_SOURCES` as one sweep document (a cell timed in both: the later
     file's time), for :func:`fit_cost_model` and :func:`leave_one_shape_out`."""
-    import json
-    from pathlib import Path
-
-    from ..report.results import RESULTS
-
     folder = Path(root) if root is not None else RESULTS / "h200"
     docs = [json.loads((folder / name).read_text()) for name in FIT_SOURCES]
     return {"provenance": docs[-1]["provenance"], "rows": [r for d in docs for r in d["rows"]]}
@@ -200,7 +202,7 @@ def leave_one_shape_out(doc: dict, *, model_for=None) -> list:
     ``cublas_over_pick`` (cuBLAS's time / the pick's: >= 1 means the kit is as fast).
     ``model_for(shapes) -> CostModel`` replaces the fit (e.g. the shipped model)."""
     cells = _kit_times(doc["rows"])
-    sms = int(doc.get("provenance", {}).get("sm_count") or MM.COST_MODEL.sms)
+    sms = _sweep_sms(doc)
     shapes = sorted({k[:2] for k in cells})
     out = []
     for shape in shapes:

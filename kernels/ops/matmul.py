@@ -235,11 +235,7 @@ def _check_select_args(M, N, K, dtype, sms) -> int:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     block_k(dtype)  # a float dtype, or TypeError
-    if sms is None:
-        return _default_sms()
-    if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
-        raise ValueError(f"sms must be a positive int, got {sms!r}")
-    return sms
+    return _default_sms() if sms is None else checks.positive_int("sms", sms)
 
 
 def _default_sms() -> int:

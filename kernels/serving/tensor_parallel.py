@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..checks import positive_int
 from ..ops.matmul import linear
 from .engine import Engine, Request, completion_key
 from .model import Qwen3Config, Qwen3Model
@@ -52,12 +53,6 @@ REDUCTIONS = ("fixed", "ring", "gloo")
 
 
 # -------------------------------------------------------------------------------- arguments
-def _count(name: str, v, *, least: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
-    return v
-
-
 def _reduction(order, allowed=REDUCTIONS) -> str:
     if order not in allowed:
         raise ValueError(f"order must be one of {allowed}, got {order!r}")
@@ -80,7 +75,7 @@ def _partials(partials) -> list:
 def shard_range(size: int, rank: int, world: int, *, name: str = "size") -> slice:
     """The slice of ``size`` (heads, columns, K) that ``rank`` of ``world`` holds: equal
     contiguous shards; ``size`` must divide by ``world`` (a ValueError naming ``name`` otherwise)."""
-    _count("world", world)
+    positive_int("world", world)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"rank must be an int in 0..{world - 1}, got {rank!r}")
     if size % world:
@@ -94,8 +89,9 @@ def chunk_bounds(numel: int, world: int) -> list:
     """The ring's chunks of a flattened message of ``numel`` elements: ``world`` pieces of
     ``ceil(numel / world)`` elements (the last ones shorter or empty), as ``[(start, end)]``.
     A function of the message size: of the number of tokens in the batch."""
-    _count("numel", numel, least=0)
-    _count("world", world)
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    positive_int("world", world)
     step = -(-numel // world)
     return [(min(c * step, numel), min((c + 1) * step, numel)) for c in range(world)]
 
@@ -160,7 +156,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, world: int, *, or
                          f"and {tuple(weight.shape)}")
     K = weight.shape[1]
     parts = []
-    for r in range(_count("world", world)):
+    for r in range(positive_int("world", world)):
         s = shard_range(K, r, world, name="weight.shape[1]")
         parts.append(linear(x[:, s].contiguous(), weight[:, s].contiguous(), impl=impl))
     return simulate_all_reduce(parts, order)
@@ -292,7 +288,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 600.0, **kwargs) -> list:
     returns their results in rank order.  ``fn`` and its arguments must pickle (``fn`` a
     module-level function); a rank's exception is raised here as a RuntimeError with its
     traceback."""
-    _count("world", world)
+    positive_int("world", world)
     if not callable(fn):
         raise TypeError(f"fn must be a module-level callable, got {type(fn).__name__}")
     if torch.cuda.is_available():  # CUDA cannot be used in a forked process: each rank starts afresh
@@ -338,7 +334,7 @@ def tp_group(world: int, tp: int | None = None) -> tuple:
     this rank's tensor-parallel group: ``world // tp`` groups of ``tp`` consecutive ranks
     (``None`` or ``world``: one group, the default process group), so that several TP groups
     serve concurrently in one launch."""
-    tp = world if tp is None else _count("tp", tp)
+    tp = world if tp is None else positive_int("tp", tp)
     if world % tp:
         raise ValueError(f"tp={tp} must divide the world of {world} ranks")
     if tp == world:
