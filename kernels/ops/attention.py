@@ -579,11 +579,13 @@ class PagedCache:
 
 
 #: columns of the output per program of the left-fold merge (one warp: a column per lane);
-#: the fold is column-wise, so this moves work between programs, never the arithmetic
-MERGE_COLUMNS = 32
+#: the fold is column-wise, so this moves work between programs, never the arithmetic.  Under
+#: the interpreter a program takes the whole row (its cost is per operation, not per element)
+MERGE_COLUMNS = 1 << 30 if INTERPRET else 32
 #: states per step of the left-fold merge (unrolled: their loads are in flight together); a
-#: load schedule, never the arithmetic
-FOLD_CHUNK = 16
+#: load schedule, never the arithmetic.  Under the interpreter one state per step (states past
+#: a row's last are selected away, so a longer step only adds operations)
+FOLD_CHUNK = 1 if INTERPRET else 16
 
 # --------------------------------------------------------------------------------------------
 # The kernels: partial states per split, then the fixed-order merge

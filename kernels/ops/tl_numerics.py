@@ -27,6 +27,16 @@ CPU, BLAS build and thread count:
 
 On a GPU ``tl.dot`` is the tensor cores' (or, for ``input_precision="ieee"``, the FMA units')
 order, fixed by the tile shape alone; nothing here touches the compiled path.
+
+**The interpreter's helper calls.**  The interpreter runs a kernel as Python: before a program
+runs it wraps ``triton.language``'s builtins for its NumPy arithmetic (and restores them after
+the launch), and it wraps them again on *every* call of a ``@triton.jit`` helper inside the
+kernel, scanning the language modules with ``inspect.getmembers`` each time, although they are
+already wrapped.  With the kit's helpers (a fold per KV tile, a step per K block) that scan was a
+third of the CPU time of a model step.  :func:`_install_interpreter_patch_once` makes a helper's
+call skip it while the running kernel has wrapped the same language modules (a helper that sees
+other ones is wrapped as before).  What any operation computes is unchanged: the same wrapped
+builtins run.
 """
 import contextlib
 
@@ -141,5 +151,51 @@ def tile_product(kind: str):
         _PRODUCT["kind"] = old
 
 
+def _patch_lang_once(patch_lang):
+    """Triton's ``interpreter._patch_lang``, skipped for a helper called inside a running kernel
+    whose launch has wrapped the same language modules (``tl``, ``tl.core``)."""
+    from triton.runtime import interpreter
+
+    running = []  # a running launch: [the language modules wrapped since it began]
+
+    def langs_of(fn):
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def patch_lang_once(fn):
+        if running:
+            langs = langs_of(fn)
+            if langs <= running[0]:
+                return interpreter._LangPatchScope()  # nothing to wrap, nothing to restore
+            scope = patch_lang(fn)  # Triton never restores a helper's wrapping
+            running[0] |= langs
+            return scope
+        scope = patch_lang(fn)
+        running.append(langs_of(fn))
+        restore = scope.restore
+
+        def restore_and_end():
+            running.clear()
+            restore()
+
+        scope.restore = restore_and_end
+        return scope
+
+    patch_lang_once.kit_patch_once = True
+    return patch_lang_once
+
+
+def _install_interpreter_patch_once() -> None:
+    """Install :func:`_patch_lang_once` where this Triton's interpreter has the structure it
+    wraps (a ``_patch_lang(fn)`` that returns a scope with ``restore()``); otherwise nothing."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang", None)
+    if (patch is None or getattr(patch, "kit_patch_once", False)
+            or not hasattr(getattr(interpreter, "_LangPatchScope", None), "restore")):
+        return
+    interpreter._patch_lang = _patch_lang_once(patch)
+
+
 if INTERPRET:
     _install_interpreter_dot()
+    _install_interpreter_patch_once()
