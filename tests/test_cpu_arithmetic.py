@@ -7,7 +7,8 @@ show it does not move with the tile's row count, the CPU's BLAS kernel, its thre
 numpy's SIMD level (subprocesses with ``OPENBLAS_CORETYPE``, ``OPENBLAS_NUM_THREADS`` and
 ``NPY_DISABLE_CPU_FEATURES``), and keep numpy's own ``matmul`` as the variant twin that the same
 invariance check catches on at least one OpenBLAS kernel.  The interpreter's row sums and the vLLM
-CPU plugin's fixed-shape GEMM tiles are checked the same way.
+CPU plugin's fixed-shape GEMM tiles are checked the same way, and the kit's shortcut through the
+interpreter's re-wrapping of the language on helper calls is checked to compute the same values.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import pytest
 import torch
 
 import batch_invariance_kit  # noqa: F401  (the interpreter is chosen before triton is imported)
+import triton
+import triton.language as tl
 from batch_invariance_kit.device import INTERPRET
 from batch_invariance_kit.ops import tl_numerics as T
 
@@ -224,3 +227,49 @@ def test_cpu_plugin_gemm_tiles_are_invariant_under_other_cpu_settings():
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, (extra, out.stderr[-2000:])
         assert out.stdout.strip().splitlines()[-1] == "True", extra
+
+
+@triton.jit
+def _twice(x):
+    return x + x
+
+
+@triton.jit
+def _helpers_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, N))
+    y = _twice(_twice(x)) * T.to_f32(x)
+    tl.store(out_ptr + tl.arange(0, N), y + tl.sum(y, axis=0))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's helper calls: CPU only")
+def test_interpreter_helper_calls_wrap_the_language_once(monkeypatch):
+    """A kernel with ``@triton.jit`` helper calls (the kit's own and a Triton library one,
+    ``tl.sum``) computes the same values when its helpers skip the re-wrapping of the language
+    modules; the skip happens (the wrapper runs once for the launch, once more for a helper that
+    sees ``tl.core``), and every builtin is Triton's own again after the launch."""
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter._patch_lang, "kit_patch_once", False), "the helper-call patch is not installed"
+
+    x = torch.arange(8, dtype=torch.float32) / 3
+    want = 4 * x * x + (4 * x * x).sum()
+
+    triton_patch = interpreter._patch_lang.__wrapped__  # Triton's own
+
+    def run(once):
+        wrapped = []
+
+        def counting(fn):
+            wrapped.append(fn.__name__)
+            return triton_patch(fn)
+
+        monkeypatch.setattr(interpreter, "_patch_lang", T._patch_lang_once(counting) if once else counting)
+        out = torch.empty_like(x)
+        _helpers_kernel[(1,)](x, out, N=8)
+        return out, wrapped
+
+    base, every = run(False)
+    once, few = run(True)
+    assert torch.equal(base, once) and torch.allclose(once, want)
+    assert every.count("_twice") == 2 and "_twice" not in few and len(few) < len(every), (every, few)
+    assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.core.tensor.__add__)

@@ -181,6 +181,7 @@ def _patch_lang_once(patch_lang):
         return scope
 
     patch_lang_once.kit_patch_once = True
+    patch_lang_once.__wrapped__ = patch_lang
     return patch_lang_once
 
 
