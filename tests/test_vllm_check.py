@@ -1,10 +1,11 @@
 """CPU tests of :mod:`batch_invariance_kit.vllm.check`: everything except vLLM itself.
 
-Arguments, prompt generation, the bitwise comparisons, the merge into rows/checks, the budget
-and skip logic of the driver (with a fake clock and a fake launcher that writes the part files
-a worker would write), the process-group kill on timeout (a real subprocess), and the kit
-replacements of vLLM's RMSNorm and MoE forwards (on the Triton interpreter, against the kit's
-own ops)."""
+Arguments, prompt generation, the worker's job and the results read from its documents (the
+worker's loop with a stand-in engine, ``tests/fake_engine.py``), the merge into rows/checks, the
+budget and skip logic of the driver (with a fake clock and a fake launcher that runs that worker
+in-process), and the kit replacements of vLLM's RMSNorm and MoE forwards (on the Triton
+interpreter, against the kit's own ops).  The worker itself and the bitwise comparisons are
+tested in ``tests/test_vllm_runner.py``."""
 import json
 import os
 import subprocess
@@ -22,6 +23,8 @@ from batch_invariance_kit.ops import moe as MOE
 from batch_invariance_kit.ops import rms_norm as RN
 from batch_invariance_kit.vllm import check as V
 from batch_invariance_kit.vllm import plugin as P
+from batch_invariance_kit.vllm import runner as R
+from fake_engine import FakeEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,9 +49,7 @@ def test_args_defaults_and_plan_order():
     (["--out", "x", "--attention-backend", "FLASHINFER"], "--attention-backend"),
     (["--out", "x", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     ([], "--out"),
-    (["--worker", "--mode", "kit", "--folder", "f", "--part", "p", "--deadline", "1"], "--model-name"),
-    (["--worker", "--model-name", "dense", "--mode", "fast", "--folder", "f", "--part", "p", "--deadline", "1"],
-     "--mode"),
+    (["--out", "x", "--attention-backend", "CUSTOM"], "--modes kit"),
 ])
 def test_args_errors_name_the_argument(argv, needle):
     with pytest.raises(ValueError, match=needle):
@@ -58,17 +59,6 @@ def test_args_errors_name_the_argument(argv, needle):
 def test_main_returns_2_on_bad_args(capsys):
     assert V.main(["--out", "x", "--modes", "turbo"]) == 2
     assert "--modes" in capsys.readouterr().err
-
-
-def test_worker_env():
-    env = V.worker_env("default", {"VLLM_BATCH_INVARIANT": "1", "PATH": "/bin"})
-    assert "VLLM_BATCH_INVARIANT" not in env and env["PATH"] == "/bin"
-    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    for mode in ("invariant", "kit"):
-        assert V.worker_env(mode, {})["VLLM_BATCH_INVARIANT"] == "1"
-    # the kit's plugin is switched on in kit mode only; nothing needs insecure serialization
-    assert [V.worker_env(m, {})["KIT_BATCH_INVARIANT"] for m in V.MODES] == ["0", "0", "1"]
-    assert all("VLLM_ALLOW_INSECURE_SERIALIZATION" not in V.worker_env(m, {}) for m in V.MODES)
 
 
 def test_imports_without_vllm_and_help():
@@ -106,44 +96,62 @@ def test_batch_with():
         V.batch_with(tgt, 0, seed=1)
 
 
-# ----------------------------------------------------------------------------- comparisons
+# ----------------------------------------------------------------------------- the job and its results
 
-def test_compare():
-    t, lp = [5, 6, 7], [-1.5, -2.25, -0.125]
-    c = V.compare(t, lp, list(t), list(lp))
-    assert c["tokens_equal"] and c["logprobs_equal"] and c["logprobs_unequal"] == 0 and c["max_abs_diff"] == 0.0
-    assert c["first_token_diff"] is None and c["first_logprob_diff"] is None
-    lp2 = [-1.5, -2.25 + 2 ** -20, -0.125]
-    c = V.compare(t, lp, t, lp2)
-    assert c["tokens_equal"] and not c["logprobs_equal"] and c["first_logprob_diff"] == 1
-    assert c["logprobs_unequal"] == 1 and c["max_abs_diff"] == 2 ** -20
-    c = V.compare(t, lp, [5, 9, 7], lp)
-    assert not c["tokens_equal"] and c["first_token_diff"] == 1 and c["logprobs_equal"]
-    c = V.compare(t, lp, t[:2], lp[:2])  # a shorter completion is a difference
-    assert not c["tokens_equal"] and c["first_token_diff"] == 2 and c["logprobs_unequal"] == 1
-    nan = float("nan")
-    assert not V.compare([1], [nan], [1], [nan])["logprobs_equal"]
+def test_worker_job():
+    a = V.parse_args(["--out", "x", "--kit-eager", "--attention-backend", "TRITON_ATTN"])
+    exps = V.experiments()
+    assert exps == V.experiments()                                        # deterministic
+    job = V.worker_job(a, "moe", "kit", 1234.5, exps)
+    assert json.loads(json.dumps(job)) == job and job["deadline"] == 1234.5
+    assert job["tags"] == {"model": "moe", "mode": "kit", "quick": False}
+    assert job["engine"] == {**R.ENGINE, "max_model_len": V.MAX_MODEL_LEN, "eager": True,
+                             "gpu_memory_utilization": 0.5, "attention_backend": "TRITON_ATTN"}
+    assert V.worker_job(a, "moe", "default", 1.0, exps)["engine"]["eager"] is False   # --kit-eager: kit only
+    by = {e["name"]: e for e in job["experiments"]}
+    assert list(by) == list(V.EXPERIMENTS) and all(by[n]["estimate_s"] == V.EXPERIMENT_S[n] for n in by)
+    bs, needle = by["bs"], by["needle"]
+    assert bs["targets"] == [V.target_prompt()] and [len(b["order"]) for b in bs["batches"]] == list(V.BATCH_SIZES[1:])
+    assert needle["targets"] == [V.needle_prompt()] and len(needle["batches"]) == 4
+    assert all(64 <= len(b["order"]) <= 128 for b in needle["batches"])
+    # each batch is the driver's batch_with: the target at its place among the same fillers
+    prompts, news, pos = V.batch_with(V.target_prompt(), 33, seed=133)
+    b = bs["batches"][1]
+    assert b["seed"] == 133 and b["order"][pos] == ["t", 0]
+    assert [bs["fillers"][i] for k, i in b["order"] if k == "f"] == [p for j, p in enumerate(prompts) if j != pos]
+    assert by["decode_vs_prefill"]["of"] == "bs" and len(by["throughput"]["prompts"]) == 256
+    quick = {e["name"]: e for e in V.experiments(quick=True)}
+    assert len(quick["needle"]["batches"]) == 2 and len(quick["throughput"]["prompts"]) == 64
 
 
-def test_distinct():
-    a = ([1, 2], [-0.5, -0.25])
-    b = ([1, 2], [-0.5, -0.25 - 2 ** -30])
-    d = V.distinct([a, a, b])
-    assert d == {"n": 3, "unique_token_sequences": 1, "unique_logprob_sequences": 2}
-    assert V.distinct([a, a])["unique_logprob_sequences"] == 1
-    assert V.distinct([a, ([3, 2], [-0.5, -0.25])])["unique_token_sequences"] == 2
+def _run_worker(job, out, *, calls=None, **kw):
+    """The worker on ``job`` with a stand-in engine; ``calls``: the kit counters each experiment records."""
+    R.run_worker("model", {**job, "deadline": None}, out, build=FakeEngine.builder(**kw))
+    if calls is not None:
+        doc = json.loads(Path(out).read_text())
+        for r in doc["experiments"].values():
+            r["kit_calls"] = dict(calls)
+        R.write_json(out, doc)
 
 
-def test_decode_vs_prefill():
-    prompt_len = 4
-    toks, lps = [10, 11, 12], [-1.0, -2.0, -3.0]
-    plp = [None, -9.0, -9.0, -9.0, -1.0, -2.0]  # prompt (4) + toks[:-1]
-    r = V.decode_vs_prefill(toks, lps, prompt_len, plp, 12, -3.0)
-    assert r["positions"] == 3 and r["equal_positions"] == 3 and r["first_unequal"] is None
-    assert r["last_token_equal"] and r["max_abs_diff"] == 0.0
-    r = V.decode_vs_prefill(toks, lps, prompt_len, [None, -9.0, -9.0, -9.0, -1.0, -2.5], 12, -3.0 + 2 ** -10)
-    assert r["equal_positions"] == 1 and r["first_unequal"] == 1 and r["max_abs_diff"] == 0.5
-    assert r["prefill_logprobs"] == [-1.0, -2.5, -3.0 + 2 ** -10]
+@pytest.mark.parametrize("variant", [False, True])
+def test_results_from_the_worker(tmp_path, variant):
+    a = V.parse_args(["--out", str(tmp_path), "--quick"])
+    _run_worker(V.worker_job(a, "dense", "invariant", 1.0, V.experiments(quick=True)), tmp_path / "p.json",
+                variant=variant)
+    part = json.loads((tmp_path / "p.json").read_text())
+    ex = V.experiment_results(part)
+    bs, nd, dp, tp = (ex[n] for n in V.EXPERIMENTS)
+    assert bs["batch_sizes"] == list(V.BATCH_SIZES) and len(bs["bs1_tokens"]) == V.NEW_TOKENS
+    assert [r["batch_size"] for r in bs["runs"]] == list(V.BATCH_SIZES[1:]) and bs["all_equal"] is (not variant)
+    assert all(r["prompt_tokens_in_batch"] > V.TARGET_LEN for r in bs["runs"])
+    assert nd["n"] == 3 and nd["unique_logprob_sequences"] == (3 if variant else 1) and len(nd["trials"]) == 2
+    assert dp["positions"] == V.NEW_TOKENS and (dp["equal_positions"] == V.NEW_TOKENS) is (not variant)
+    assert dp["prompt_len"] == V.TARGET_LEN and dp["last_token_equal"]
+    assert tp["prompts"] == 64 and tp["output_tokens"] == 64 * 64
+    rows, checks = V.rows_and_checks([{**part, "experiments": ex}], [{"model": "dense", "mode": "invariant"}])
+    assert [r["op"] for r in rows] == [f"vllm_{n}" for n in V.EXPERIMENTS]
+    assert len(checks) == 3 and all(c["passed"] is (not variant) for c in checks)
 
 
 # ----------------------------------------------------------------------------- merge
@@ -223,6 +231,10 @@ def _args(tmp_path, *extra):
     return V.parse_args(["--out", str(tmp_path / "out"), "--model-dir", str(tmp_path / "models"), *extra])
 
 
+def _job_of(cmd):
+    return json.loads(Path(cmd[cmd.index("--spec") + 1]).read_text())
+
+
 def test_driver_budget_skips_and_incremental_saves(tmp_path):
     clock = FakeClock()
     calls, saves = [], []
@@ -232,17 +244,17 @@ def test_driver_budget_skips_and_incremental_saves(tmp_path):
         if kind == "build":
             clock.t += 10
             return {"rc": 0, "seconds": 10}
-        model, mode = cmd[cmd.index("--model-name") + 1], cmd[cmd.index("--mode") + 1]
-        assert float(cmd[cmd.index("--deadline") + 1]) == 1000.0 + 300 - 5.0
+        job = _job_of(cmd)
+        assert job["deadline"] == 1000.0 + 300 - 5.0
+        assert cmd[cmd.index("--model") + 1] == str(tmp_path / "models" / job["tags"]["model"])
         clock.t += 100
-        part = Path(cmd[cmd.index("--part") + 1])
-        V._write_json(part, _part(model, mode, calls={"rms_norm": 1, "fused_add_rms_norm": 1, "moe": 1}))
+        _run_worker(job, cmd[cmd.index("--out") + 1], calls={"rms_norm": 1, "fused_add_rms_norm": 1, "moe": 1})
         return {"rc": 0, "seconds": 100, "timed_out": False}
 
     def save(rows, checks, extra):
         saves.append((len(rows), len(checks), json.loads(json.dumps(extra["jobs"]))))
 
-    extra = V.run_driver(_args(tmp_path, "--budget-s", "300"), launch=launch, clock=clock, save=save)
+    extra = V.run_driver(_args(tmp_path, "--budget-s", "300", "--quick"), launch=launch, clock=clock, save=save)
     st = [(j["model"], j["mode"], j["status"]) for j in extra["jobs"]]
     assert st == [("dense", "default", "ran"), ("dense", "invariant", "ran"), ("moe", "default", "ran"),
                   ("moe", "invariant", "skipped"), ("dense", "kit", "skipped"), ("moe", "kit", "skipped")]
@@ -260,7 +272,7 @@ def test_driver_worker_failures_are_recorded(tmp_path):
         clock.t += 5
         if kind == "build":
             return {"rc": 0}
-        if "dense" in cmd:
+        if _job_of(cmd)["tags"]["model"] == "dense":
             raise OSError("cannot start")
         return {"rc": 1, "seconds": 5, "timed_out": False, "log_tail": "Traceback: CUDA error"}
 
@@ -283,15 +295,6 @@ def test_driver_build_failure_skips_everything(tmp_path):
                          save=lambda r, c, e: saved.append(c))
     assert all(j["status"] == "skipped" and "build failed" in j["skipped"] for j in extra["jobs"])
     assert len(saved[-1]) == 6 and not any(c["passed"] for c in saved[-1])
-
-
-def test_run_subprocess_kills_the_group_on_timeout(tmp_path):
-    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
-            "time.sleep(60)']); print('started', flush=True); time.sleep(60)")
-    r = V.run_subprocess([sys.executable, "-c", code], dict(os.environ), 2.0, tmp_path / "log.txt")
-    assert r["timed_out"] and r["rc"] != 0 and r["seconds"] < 30 and "started" in r["log_tail"]
-    r = V.run_subprocess([sys.executable, "-c", "print('ok')"], dict(os.environ), 30.0, tmp_path / "ok.txt")
-    assert r == {**r, "rc": 0, "timed_out": False} and "ok" in r["log_tail"]
 
 
 # ----------------------------------------------------------------------------- the plugin's CUDA replacements
@@ -334,30 +337,29 @@ def test_kit_moe_from_logits_matches_fused_moe():
 
 def test_driver_retries_moe_kit_without_the_moe_swap(tmp_path):
     clock = FakeClock()
-    cmds = []
+    envs = []
 
     def launch(kind, cmd, env, timeout, log):
         clock.t += 20
         if kind == "build":
             return {"rc": 0}
-        cmds.append(cmd)
-        part = Path(cmd[cmd.index("--part") + 1])
-        if "--kit-no-moe" not in cmd:
-            V._write_json(part, {"model": "moe", "mode": "kit", "status": "init_failed", "experiments": {},
-                                 "errors": [{"stage": "init", "traceback": "NotImplementedError: kit MoE"}]})
+        envs.append(env)
+        out = cmd[cmd.index("--out") + 1]
+        if env.get("KIT_MOE") != "0":
+            R.write_json(out, {"model": "moe", "mode": "kit", "status": "init_failed", "experiments": {},
+                               "errors": [{"stage": "init", "traceback": "NotImplementedError: kit MoE"}]})
             return {"rc": 3, "seconds": 20, "log_tail": "..."}
-        p = _part("moe", "kit", calls={"rms_norm": 1, "fused_add_rms_norm": 1})
-        p["swapped"] = {"RMSNorm": "KitRMSNorm"}
-        for r in p["experiments"].values():
-            r["kit_calls"] = {"rms_norm": 2, "fused_add_rms_norm": 2, "moe": 0}
-        V._write_json(part, p)
+        _run_worker(_job_of(cmd), out, calls={"rms_norm": 2, "fused_add_rms_norm": 2, "moe": 0})
+        doc = json.loads(Path(out).read_text())
+        R.write_json(out, {**doc, "swapped": {"RMSNorm": "KitRMSNorm"}})
         return {"rc": 0, "seconds": 20}
 
     saved = []
-    extra = V.run_driver(_args(tmp_path, "--models", "moe", "--modes", "kit"), launch=launch, clock=clock,
+    extra = V.run_driver(_args(tmp_path, "--models", "moe", "--modes", "kit", "--quick"), launch=launch, clock=clock,
                          save=lambda r, c, e: saved.append(c))
     job = extra["jobs"][0]
-    assert len(cmds) == 2 and "--kit-no-moe" in cmds[1] and job["retried_without_moe_swap"]
+    assert len(envs) == 2 and envs[1]["KIT_MOE"] == "0" and job["retried_without_moe_swap"]
+    assert all(e["KIT_BATCH_INVARIANT"] == "1" and e["VLLM_BATCH_INVARIANT"] == "1" for e in envs)
     assert "kit MoE" in job["first_attempt"]["errors"][0]["traceback"] and job["rc"] == 0
     kit = [c for c in saved[-1] if "kit's kernels" in c["name"]]
     assert len(kit) == 1 and kit[0]["passed"] and "moe" not in kit[0]["name"].split("> 0:")[1]

@@ -8,15 +8,14 @@ staged as in ``shared/device/vllm`` (that README's ``export`` line first, then):
     python -m batch_invariance_kit.vllm.check --out DIR --models dense --modes default,invariant --quick
     python -m batch_invariance_kit.vllm.check --out DIR --dry-run  # print the plan; runs nothing
 
-Three modes, each in its own subprocess (vLLM's engine runs in that process:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``VLLM_USE_FLASHINFER_SAMPLER=0`` always, flashinfer is not
-staged):
+Three modes, each in its own worker process (:mod:`batch_invariance_kit.vllm.runner`: the engine
+runs in that process; ``VLLM_USE_FLASHINFER_SAMPLER=0`` always, flashinfer is not staged):
 
 * ``default``: vLLM as shipped (torch.compile + CUDA graphs);
 * ``invariant``: ``VLLM_BATCH_INVARIANT=1``, vLLM's own batch-invariant mode;
 * ``kit``: ``KIT_BATCH_INVARIANT=1``: the kit's vLLM plugin (:mod:`batch_invariance_kit.vllm.plugin`,
-  loaded by vLLM through its ``vllm.general_plugins`` entry point) sets ``VLLM_BATCH_INVARIANT=1``
-  and swaps the kit's Triton kernels in through ``CustomOp.register_oot``: every ``RMSNorm``
+  loaded by vLLM through its ``vllm.general_plugins`` entry point) with ``VLLM_BATCH_INVARIANT=1``
+  under it, swapping the kit's Triton kernels in through ``CustomOp.register_oot``: every ``RMSNorm``
   (plain and fused residual-add: input/post-attention norms, per-head q/k norms, the final norm)
   runs :mod:`batch_invariance_kit.ops.rms_norm`, and the MoE experts (routing from vLLM's router
   logits, dispatch, grouped GEMMs, combine) run :mod:`batch_invariance_kit.ops.moe`, all through
@@ -26,14 +25,13 @@ staged):
   (torch.compile + CUDA graphs); ``--kit-eager`` runs it with ``enforce_eager=True``.  The call
   counters of the swapped kernels count the calls outside CUDA-graph replays (every call, eager).
 
-Experiments of one (model, mode), all greedy (``temperature=0``, ``ignore_eos=True``), with the
-log-probability of every sampled token (``logprobs=0``; ``logprobs_mode="raw_logprobs"``, vLLM's
-default, for sampled and prompt log-probabilities alike: fp32 ``log_softmax`` of the raw logits,
-returned as Python floats, compared bitwise):
+Experiments of one (model, mode) (:func:`experiments`, run by the worker; the comparisons are the
+runner's), all greedy with the raw fp32 log-probability of every sampled token, compared bitwise
+(max |difference| recorded too):
 
 1. ``bs``: a 100-token target prompt, 48 tokens, alone and inside batches of 9, 33 and 129
    (random fillers of random lengths and output lengths, target at a random place): tokens and
-   log-probabilities equal to the bs1 run, bitwise?  (max |difference| recorded too);
+   log-probabilities equal to the bs1 run, bitwise?
 2. ``needle``: a 257-token prompt alone, then among 64..128 random fillers in 4 trials: the
    number of distinct completions (token sequences, log-probability sequences);
 3. ``decode_vs_prefill``: the 48 tokens decoded in (1) alone, then the prompt plus the first 47
@@ -44,15 +42,15 @@ returned as Python floats, compared bitwise):
    ``llm.generate``, output and total tokens/s (a serving number, CPU scheduling included).
 
 Robustness (the command is meant to run once, unattended): the models are built and saved once
-(a subprocess), every (model, mode) is a subprocess with a timeout taken from what is left of
-``--budget-s``; a job that does not fit is recorded as skipped; every experiment is in
-``try/except`` with its traceback recorded; each worker rewrites its part file after every
-experiment and the driver rewrites ``vllm_check.json`` after every job.  Order: dense
-default+invariant, moe default+invariant, then the kit modes.
+(a subprocess), every (model, mode) is a worker process with a timeout taken from what is left of
+``--budget-s``; a job that does not fit is recorded as skipped; the worker runs every experiment
+in ``try/except`` with its traceback recorded, skips one that no longer fits before the deadline,
+and rewrites its part file after every experiment; the driver rewrites ``vllm_check.json`` after
+every job.  Order: dense default+invariant, moe default+invariant, then the kit modes.
 
 This module imports without vLLM (only the worker imports it), so its pure-Python parts
-(prompts, comparisons, the merge, the budget logic) are tested on a CPU
-(``tests/test_vllm_check.py``).
+(prompts, the job, the results from a worker's document, the merge, the budget logic) are tested
+on a CPU (``tests/test_vllm_check.py``).
 """
 from __future__ import annotations
 
@@ -61,8 +59,6 @@ import json
 import math
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,15 +68,10 @@ from pathlib import Path
 import torch
 
 from . import plugin
+from . import runner as R
 
 MODEL_NAMES = ("dense", "moe")
 MODES = ("default", "invariant", "kit")
-#: Environment of every worker (the README of shared/device/vllm: both are required).
-BASE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-#: Extra environment per mode (``default`` removes VLLM_BATCH_INVARIANT if the caller set it).
-MODE_ENV = {"default": {"KIT_BATCH_INVARIANT": "0"},
-            "invariant": {"KIT_BATCH_INVARIANT": "0", "VLLM_BATCH_INVARIANT": "1"},
-            "kit": {"KIT_BATCH_INVARIANT": "1", "VLLM_BATCH_INVARIANT": "1"}}
 #: ``CUSTOM``: the kit's attention backend, which the plugin registers under that name (kit mode).
 ATTENTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "CUSTOM")
 KIT_ATTENTION = ("with --attention-backend CUSTOM, kit mode runs the kit's attention "
@@ -140,15 +131,8 @@ def parser() -> argparse.ArgumentParser:
                    help="kit mode with enforce_eager=True (default: torch.compile + CUDA graphs, like vLLM's default); "
                         "with --model, every mode eager")
     p.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")
-    # internal: the subprocesses
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    # internal: the subprocess that builds the models
     p.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model-name", help=argparse.SUPPRESS)
-    p.add_argument("--mode", help=argparse.SUPPRESS)
-    p.add_argument("--folder", help=argparse.SUPPRESS)
-    p.add_argument("--part", help=argparse.SUPPRESS)
-    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--kit-no-moe", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -162,7 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not (isinstance(a.budget_s, float) and math.isfinite(a.budget_s) and a.budget_s > 0):
         raise ValueError(f"--budget-s must be a positive number of seconds, got {a.budget_s!r}")
     a.kit_compiled = not a.kit_eager
-    if a.attention_backend == "CUSTOM" and a.model is None and not a.worker and a.modes != ["kit"]:
+    if a.attention_backend == "CUSTOM" and a.model is None and a.modes != ["kit"]:
         raise ValueError("--attention-backend CUSTOM (the kit's attention, registered by the plugin) needs --modes kit")
     if a.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, got {a.attention_backend!r}")
@@ -170,19 +154,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ValueError(f"--gpu-memory-utilization must be in [0.05, 0.95], got {a.gpu_memory_utilization!r}")
     if a.model_dir is None:
         a.model_dir = os.path.join(tempfile.gettempdir(), "kit-models")
-    if a.worker:
-        for name in ("model_name", "mode", "folder", "part", "deadline"):
-            if getattr(a, name) is None:
-                raise ValueError(f"--worker needs --{name.replace('_', '-')}")
-        if a.model_name not in MODEL_NAMES:
-            raise ValueError(f"--model-name must be one of {list(MODEL_NAMES)}, got {a.model_name!r}")
-        if a.mode not in MODES:
-            raise ValueError(f"--mode must be one of {list(MODES)}, got {a.mode!r}")
     if a.model is not None and not os.path.isfile(os.path.join(a.model, "config.json")):
         raise ValueError(f"--model must be a local Hugging Face folder with a config.json, got {a.model!r}")
     if a.model is not None and not a.out:
         a.out = os.path.join("results", "local", "vllm")
-    if not a.worker and not a.build and not a.dry_run and not a.out:
+    if not a.build and not a.dry_run and not a.out:
         raise ValueError("--out is required (the folder of vllm_check.json)")
     return a
 
@@ -224,256 +200,90 @@ def batch_with(prompt: list, n: int, seed: int, *, min_len: int = 16, max_len: i
 
 
 # ---------------------------------------------------------------------------------------------
-# Comparisons
+# The worker's job, and the experiments' results from its document
 # ---------------------------------------------------------------------------------------------
 
-def compare(ref_tokens: list, ref_lps: list, tokens: list, lps: list) -> dict:
-    """Bitwise comparison of a completion against the reference one.
-
-    Log-probabilities are Python floats holding fp32 values: ``==`` is a bitwise test (NaN is
-    never equal: a NaN anywhere counts as a difference)."""
-    n = min(len(ref_lps), len(lps))
-    diffs = [abs(a - b) for a, b in zip(ref_lps[:n], lps[:n])]
-    unequal = [i for i in range(n) if not (ref_lps[i] == lps[i])]
-    tok_diff = [i for i in range(min(len(ref_tokens), len(tokens))) if ref_tokens[i] != tokens[i]]
-    return {
-        "tokens_equal": list(ref_tokens) == list(tokens),
-        # not ``list == list``: that compares by identity first, so one NaN object would equal itself
-        "logprobs_equal": len(ref_lps) == len(lps) and not unequal,
-        "first_token_diff": tok_diff[0] if tok_diff else (None if len(ref_tokens) == len(tokens)
-                                                           else min(len(ref_tokens), len(tokens))),
-        "first_logprob_diff": unequal[0] if unequal else (None if len(ref_lps) == len(lps) else n),
-        "logprobs_unequal": len(unequal) + abs(len(ref_lps) - len(lps)),
-        "max_abs_diff": max(diffs) if diffs else 0.0,
-    }
+def _in_batches(target: list, batches: list, seeds: list) -> dict:
+    """A :func:`batch_invariance_kit.vllm.runner.make_spec` spec of ``target`` alone and in each
+    of ``batches`` (:func:`batch_with` results, in their own order), ``NEW_TOKENS`` tokens."""
+    fillers, news, spec_batches = [], [], []
+    for (prompts, new, pos), seed in zip(batches, seeds):
+        order = []
+        for i, (p, n) in enumerate(zip(prompts, new)):
+            if i == pos:
+                order.append(("t", 0))
+            else:
+                order.append(("f", len(fillers)))
+                fillers.append(p)
+                news.append(n)
+        spec_batches.append({"order": order, "seed": seed})
+    return R.make_spec([target], fillers, max_tokens=NEW_TOKENS, filler_max_tokens=news, batches=spec_batches,
+                       decode_vs_prefill=0, max_model_len=MAX_MODEL_LEN)
 
 
-def distinct(completions: list) -> dict:
-    """``completions``: ``[(tokens, logprobs)]``; counts of distinct token / log-prob sequences
-    (log-probs keyed by ``repr``: bitwise for floats, and a NaN equals a NaN of the same bits)."""
-    return {"n": len(completions),
-            "unique_token_sequences": len({tuple(t) for t, _ in completions}),
-            "unique_logprob_sequences": len({tuple(repr(x) for x in lp) for _, lp in completions})}
+def experiments(quick: bool = False) -> list:
+    """The experiments of one (model, mode), as a worker job's list
+    (:func:`batch_invariance_kit.vllm.runner.make_job`), each with its ``estimate_s``."""
+    tgt, ndl = target_prompt(), needle_prompt()
+    bs = _in_batches(tgt, [batch_with(tgt, n, seed=100 + n) for n in BATCH_SIZES[1:]],
+                     [100 + n for n in BATCH_SIZES[1:]])
+    trials = range(2 if quick else 4)
+    needle = _in_batches(ndl, [batch_with(ndl, random.Random(700 + t).randint(64, 128), seed=800 + t) for t in trials],
+                         [800 + t for t in trials])
+    n, new = (64, 64) if quick else (256, 128)
+    rng = random.Random(900)
+    prompts = [random_prompt(rng.randint(128, 512), seed=rng.randrange(2 ** 31)) for _ in range(n)]
+    return [R.targets_experiment("bs", bs, estimate_s=EXPERIMENT_S["bs"]),
+            R.targets_experiment("needle", needle, estimate_s=EXPERIMENT_S["needle"]),
+            {"name": "decode_vs_prefill", "kind": "decode_vs_prefill", "of": "bs", "target": 0,
+             "estimate_s": EXPERIMENT_S["decode_vs_prefill"]},
+            {"name": "throughput", "kind": "throughput", "prompts": prompts, "new_tokens": new, "warmup": 8,
+             "estimate_s": EXPERIMENT_S["throughput"]}]
 
 
-def decode_vs_prefill(decode_tokens: list, decode_lps: list, prompt_len: int, prompt_lps: list,
-                      last_token: int, last_lp: float) -> dict:
-    """Decode log-probabilities against the prefill of ``prompt + decode_tokens[:-1]``.
-
-    ``prompt_lps``: the prefill's prompt log-probability of each prompt position (``None`` at
-    position 0, vLLM's convention); generated token ``j < n-1`` sits at position
-    ``prompt_len + j``; the last one is the prefill's own sampled token ``last_token`` with
-    ``last_lp``."""
-    n = len(decode_tokens)
-    pre = [prompt_lps[prompt_len + j] for j in range(n - 1)] + [last_lp]
-    equal = [decode_lps[j] == pre[j] for j in range(n)]
-    diffs = [abs(decode_lps[j] - pre[j]) for j in range(n)]
-    return {"positions": n, "equal_positions": sum(equal),
-            "first_unequal": equal.index(False) if False in equal else None,
-            "max_abs_diff": max(diffs) if diffs else 0.0,
-            "last_token_equal": last_token == decode_tokens[-1],
-            "decode_logprobs": decode_lps, "prefill_logprobs": pre}
+def worker_job(a: argparse.Namespace, model: str, mode: str, deadline: float, exps: list) -> dict:
+    """The job of the worker of (``model``, ``mode``): the engine as the arguments ``a`` say,
+    the experiments ``exps`` (:func:`experiments`), to finish before ``deadline``."""
+    engine = {"dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN, "eager": mode == "kit" and not a.kit_compiled,
+              "gpu_memory_utilization": a.gpu_memory_utilization, "attention_backend": a.attention_backend}
+    return R.make_job(engine, exps, deadline=deadline, tags={"model": model, "mode": mode, "quick": a.quick})
 
 
-# ---------------------------------------------------------------------------------------------
-# The worker: one (model, mode) in this process
-# ---------------------------------------------------------------------------------------------
-
-def _write_json(path, doc) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    os.replace(tmp, path)  # a reader never sees half a file
+def _against_alone(res: dict) -> list:
+    """``[(batch, comparison)]``: each batch of a one-target ``targets`` result against the run alone."""
+    a = res["alone"][0]
+    return [(b, R.compare(a["tokens"], a["logprobs"], b["targets"][0]["tokens"], b["targets"][0]["logprobs"]))
+            for b in res["batches"]]
 
 
-def _completion(out) -> tuple:
-    """``(tokens, logprobs)`` of a ``RequestOutput``: the sampled token's log-prob per step."""
-    c = out.outputs[0]
-    toks = list(c.token_ids)
-    lps = [float(step[t].logprob) for t, step in zip(toks, c.logprobs)] if c.logprobs is not None else []
-    return toks, lps
-
-
-def _model_summary(model) -> dict:
-    """What the built model really contains (run inside the engine by ``llm.apply_model``)."""
-    classes, backends = {}, {}
-    for m in model.modules():
-        name = type(m).__name__
-        if name in ("KitRMSNorm", "RMSNorm", "RoutedExperts") or "Norm" in name:
-            classes[name] = classes.get(name, 0) + 1
-        qm = getattr(m, "quant_method", None)
-        if qm is not None and "MoE" in type(qm).__name__:
-            key = "moe_method:" + type(qm).__name__
-            classes[key] = classes.get(key, 0) + 1
-        ab = getattr(m, "attn_backend", None)
-        if ab is not None:
-            try:
-                bname = ab.get_name()
-            except Exception:
-                bname = getattr(ab, "__name__", str(ab))
-            backends[bname] = backends.get(bname, 0) + 1
-    return {"module_classes": classes, "attention_backends": backends}
-
-
-def run_worker(a: argparse.Namespace) -> int:
-    t_start = time.time()
-    part = {"model": a.model_name, "mode": a.mode, "status": "starting", "experiments": {}, "errors": [],
-            "env": {k: os.environ.get(k) for k in sorted(set(BASE_ENV) | {"VLLM_BATCH_INVARIANT", "KIT_BATCH_INVARIANT"})},
-            "quick": a.quick}
-
-    def save(status=None):
-        if status:
-            part["status"] = status
-        part["kit_calls"] = plugin.snapshot()["calls"]
-        part["worker_s"] = time.time() - t_start
-        _write_json(a.part, part)
-
-    def left() -> float:
-        return a.deadline - time.time()
-
-    save()
-    kit = a.mode == "kit"
-    try:
-        if kit and (a.kit_no_moe or a.model_name == "dense"):
-            os.environ["KIT_MOE"] = "0"  # read by the plugin when the engine loads it, below
-        import vllm
-        from vllm import LLM, SamplingParams
-
-        part["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
-        try:
-            import triton
-            part["versions"]["triton"] = triton.__version__
-        except Exception:
-            pass
-        kw = dict(model=a.folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
-                  gpu_memory_utilization=a.gpu_memory_utilization, seed=0, enable_prefix_caching=False,
-                  max_num_seqs=256, logprobs_mode="raw_logprobs",
-                  attention_config={"backend": a.attention_backend})
-        if kit and not a.kit_compiled:
-            kw["enforce_eager"] = True
-        part["llm_kwargs"] = {k: (v if k != "model" else "<model folder>") for k, v in kw.items()}
-        t0 = time.time()
-        llm = LLM(**kw)
-        part["init_s"] = time.time() - t0
-        part["kit_calls_after_init"] = plugin.snapshot()["calls"]
-        if kit:
-            part["swapped"] = dict(plugin.REPLACEMENTS)
-    except Exception:
-        part["errors"].append({"stage": "init", "traceback": traceback.format_exc()})
-        save("init_failed")
-        return 3
-    save("initialized")
-
-    # What actually runs: batch invariance, backends, swapped classes, the engine's config.
-    engine = {}
-    try:
-        import vllm.envs as envs
-        engine["VLLM_BATCH_INVARIANT"] = bool(envs.VLLM_BATCH_INVARIANT)
-        from vllm.model_executor.layers import batch_invariant as BI
-        engine["batch_invariant_mode_enabled"] = bool(getattr(BI, "_batch_invariant_MODE", False))
-    except Exception:
-        engine["batch_invariant_error"] = traceback.format_exc()
-    try:
-        engine["model"] = llm.apply_model(_model_summary)[0]
-    except Exception:
-        engine["model_error"] = traceback.format_exc()
-    try:
-        vc = llm.llm_engine.vllm_config
-        engine["compilation_mode"] = str(vc.compilation_config.mode)
-        engine["cudagraph_mode"] = str(vc.compilation_config.cudagraph_mode)
-        engine["custom_ops"] = list(vc.compilation_config.custom_ops)
-        engine["enforce_eager"] = bool(vc.model_config.enforce_eager)
-        engine["max_num_batched_tokens"] = vc.scheduler_config.max_num_batched_tokens
-        engine["max_num_seqs"] = vc.scheduler_config.max_num_seqs
-        engine["chunked_prefill"] = bool(vc.scheduler_config.enable_chunked_prefill)
-        engine["prefix_caching"] = bool(vc.cache_config.enable_prefix_caching)
-        engine["logprobs_mode"] = vc.model_config.logprobs_mode
-        engine["attention_backend_requested"] = str(vc.attention_config.backend)
-    except Exception:
-        engine["config_error"] = traceback.format_exc()
-    part["engine"] = engine
-    save()
-
-    def params(max_tokens, **extra):
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
-                              detokenize=False, **extra)
-
-    def gen(prompts, news):
-        sps = [params(NEW_TOKENS if n is None else n) for n in news]
-        return llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
-
-    tgt = target_prompt()
-    bs1 = {}
-    for name in EXPERIMENTS:
-        if left() < EXPERIMENT_S[name]:
-            part["experiments"][name] = {"skipped": f"budget: {left():.0f} s left before the deadline"}
-            save()
+def experiment_results(doc: dict) -> dict:
+    """The experiments' results of a worker's document (:func:`batch_invariance_kit.vllm.runner.run_worker`),
+    as the rows of ``vllm_check.json`` hold them; an error, a skip or a missing experiment as the worker
+    recorded it."""
+    out = {}
+    for name, r in (doc.get("experiments") or {}).items():
+        if "error" in r or "skipped" in r:
+            out[name] = r
             continue
-        calls0 = plugin.snapshot()["calls"]
-        t0 = time.time()
-        try:
-            if name == "bs":
-                res = {"batch_sizes": list(BATCH_SIZES), "target_len": len(tgt), "new_tokens": NEW_TOKENS,
-                       "runs": []}
-                for n in BATCH_SIZES:
-                    prompts, news, pos = batch_with(tgt, n, seed=100 + n)
-                    toks, lps = _completion(gen(prompts, news)[pos])
-                    if n == 1:
-                        bs1 = {"tokens": toks, "logprobs": lps}
-                        res["bs1_tokens"], res["bs1_logprobs"] = toks, lps
-                        continue
-                    cmp = compare(bs1["tokens"], bs1["logprobs"], toks, lps)
-                    res["runs"].append({"batch_size": n, "position": pos,
-                                        "prompt_tokens_in_batch": sum(len(p) for p in prompts), **cmp})
-                res["all_equal"] = all(r["tokens_equal"] and r["logprobs_equal"] for r in res["runs"])
-            elif name == "needle":
-                ndl = needle_prompt()
-                trials = 2 if a.quick else 4
-                comps = [_completion(gen([ndl], [None])[0])]
-                per = []
-                for t in range(trials):
-                    rng = random.Random(700 + t)
-                    n = rng.randint(64, 128)
-                    prompts, news, pos = batch_with(ndl, n, seed=800 + t)
-                    comps.append(_completion(gen(prompts, news)[pos]))
-                    per.append({"trial": t, "batch_size": n, "position": pos,
-                                **compare(comps[0][0], comps[0][1], *comps[-1])})
-                res = {"needle_len": len(ndl), "trials": per, **distinct(comps)}
-            elif name == "decode_vs_prefill":
-                if not bs1:
-                    raise RuntimeError("needs the bs1 run of the 'bs' experiment, which did not complete")
-                toks, lps = bs1["tokens"], bs1["logprobs"]
-                prompt = tgt + toks[:-1]
-                sp = params(1, prompt_logprobs=0)
-                out = llm.generate([{"prompt_token_ids": prompt}], [sp], use_tqdm=False)[0]
-                plp = [None if d is None else float(d[t].logprob) for t, d in zip(prompt, out.prompt_logprobs)]
-                last_toks, last_lps = _completion(out)
-                res = {"prompt_len": len(tgt),
-                       **decode_vs_prefill(toks, lps, len(tgt), plp, last_toks[0], last_lps[0])}
-            else:  # throughput
-                n = 64 if a.quick else 256
-                new = 64 if a.quick else 128
-                rng = random.Random(900)
-                prompts = [random_prompt(rng.randint(128, 512), seed=rng.randrange(2 ** 31)) for _ in range(n)]
-                gen(prompts[:8], [8] * 8)  # warm-up (lazy compilation outside the timing)
-                t1 = time.perf_counter()
-                outs = gen(prompts, [new] * n)
-                wall = time.perf_counter() - t1
-                out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
-                in_toks = sum(len(p) for p in prompts)
-                res = {"prompts": n, "new_tokens_each": new, "prompt_tokens": in_toks, "output_tokens": out_toks,
-                       "wall_s": wall, "output_tokens_per_s": out_toks / wall,
-                       "total_tokens_per_s": (in_toks + out_toks) / wall}
-            res["seconds"] = time.time() - t0
-            now = plugin.snapshot()["calls"]
-            res["kit_calls"] = {k: now[k] - calls0.get(k, 0) for k in now}
-            part["experiments"][name] = res
-        except Exception:
-            part["experiments"][name] = {"error": traceback.format_exc(), "seconds": time.time() - t0}
-        save()
-    save("done")
-    return 0
+        kept = {"seconds": r.get("seconds"), "kit_calls": r.get("kit_calls")}
+        if name == "bs":
+            a = r["alone"][0]
+            runs = [{"batch_size": b["requests"], "position": b["positions"][0],
+                     "prompt_tokens_in_batch": b["prompt_tokens"], **c} for b, c in _against_alone(r)]
+            out[name] = {"batch_sizes": list(BATCH_SIZES), "target_len": TARGET_LEN, "new_tokens": NEW_TOKENS,
+                         "runs": runs, "bs1_tokens": a["tokens"], "bs1_logprobs": a["logprobs"],
+                         "all_equal": all(x["tokens_equal"] and x["logprobs_equal"] for x in runs), **kept}
+        elif name == "needle":
+            trials = [{"trial": t, "batch_size": b["requests"], "position": b["positions"][0], **c}
+                      for t, (b, c) in enumerate(_against_alone(r))]
+            comps = [(c["tokens"], c["logprobs"]) for c in [r["alone"][0]] + [b["targets"][0] for b in r["batches"]]]
+            out[name] = {"needle_len": NEEDLE_LEN, "trials": trials, **R.distinct(comps), **kept}
+        elif name == "decode_vs_prefill":
+            out[name] = {"prompt_len": r["prompt_len"], **R.decode_vs_prefill(r["decode"], r["prefill"]),
+                         "last_token_equal": r["last_token_equal"], **kept}
+        else:
+            out[name] = r
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,38 +324,9 @@ def plan(models: list, modes: list) -> list:
     return [(m, mode) for m, mode in order if m in models and mode in modes]
 
 
-def worker_env(mode: str, base: dict | None = None) -> dict:
-    env = dict(os.environ if base is None else base)
-    env.pop("VLLM_BATCH_INVARIANT", None)
-    env.update(BASE_ENV)
-    env.update(MODE_ENV[mode])
-    return env
-
-
-def run_subprocess(cmd: list, env: dict, timeout: float, log_path) -> dict:
-    """Run ``cmd`` in its own process group, output to ``log_path``; on timeout kill that group
-    (the engine may have started compile workers).  Returns rc, seconds, timed_out, log tail."""
-    t0 = time.time()
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        timed_out = False
-        try:
-            rc = proc.wait(timeout=max(timeout, 1.0))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            rc = proc.wait()
-    text = Path(log_path).read_text(errors="replace")
-    return {"rc": rc, "seconds": time.time() - t0, "timed_out": timed_out, "log_tail": text[-4000:]}
-
-
 def rows_and_checks(parts: list, jobs: list) -> tuple:
-    """The JSON's rows and checks from the workers' part files (``parts``: dicts as written by
-    :func:`run_worker`, possibly partial) and the job records (``jobs``: skipped/failed ones)."""
+    """The JSON's rows and checks from the workers' part files (``parts``: their documents, possibly
+    partial, with their :func:`experiment_results`) and the job records (``jobs``: skipped/failed ones)."""
     rows, checks = [], []
     by_key = {(p["model"], p["mode"]): p for p in parts}
     for job in jobs:
@@ -616,11 +397,12 @@ def rows_and_checks(parts: list, jobs: list) -> tuple:
 def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None) -> dict:
     """Plan the jobs, build the models, run the workers within ``a.budget_s``, merge.
 
-    ``launch(kind, cmd, env, timeout, log_path) -> dict`` (default :func:`run_subprocess`) and
-    ``clock`` are parameters so that the budget logic can be tested without a GPU; ``save(rows,
-    checks, extra)`` writes the JSON (default :func:`batch_invariance_kit.report.results.save`) and is called after
-    the build and after every job."""
-    launch = launch or (lambda kind, cmd, env, timeout, log: run_subprocess(cmd, env, timeout, log))
+    ``launch(kind, cmd, env, timeout, log_path) -> dict`` (default
+    :func:`batch_invariance_kit.vllm.runner.run_process`) and ``clock`` are parameters so that the
+    budget logic can be tested without a GPU; ``save(rows, checks, extra)`` writes the JSON
+    (default :func:`batch_invariance_kit.report.results.save`) and is called after the build and
+    after every job."""
+    launch = launch or (lambda kind, cmd, env, timeout, log: R.run_process(cmd, env, timeout, log))
     out = Path(a.out)
     if save is None:
         from ..report import results
@@ -637,6 +419,7 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
                       "new_tokens": NEW_TOKENS, "kit_attention": KIT_ATTENTION},
              "jobs": jobs}
     me = [sys.executable, "-m", "batch_invariance_kit.vllm.check"]
+    exps = experiments(a.quick)
     parts = []
 
     def write():
@@ -656,54 +439,56 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
             j.update(status="skipped", skipped="the model build failed (see build.log_tail)")
         write()
         return extra
-    # 2. the workers, most important first
-    for j in jobs:
-        left = deadline - clock()
-        need = MIN_JOB_S["eager" if j["mode"] == "kit" and not a.kit_compiled else "compiled"]
-        if left < need:
-            j.update(status="skipped", skipped=f"budget: {left:.0f} s left < {need:.0f} s needed to start")
-            write()
-            continue
-        part_path = out / "parts" / f"{j['model']}__{j['mode']}.json"
-        if part_path.exists():
-            part_path.unlink()
-        cmd = me + ["--worker", "--model-name", j["model"], "--mode", j["mode"],
-                    "--folder", os.path.join(a.model_dir, j["model"]), "--part", str(part_path),
-                    "--deadline", repr(deadline - 5.0), "--attention-backend", a.attention_backend,
-                    "--gpu-memory-utilization", repr(a.gpu_memory_utilization)]
-        cmd += (["--quick"] if a.quick else []) + (["--kit-eager"] if a.kit_eager else [])
-        try:
-            r = launch("worker", cmd, worker_env(j["mode"]), left,
-                       out / "logs" / f"{j['model']}__{j['mode']}.log")
-        except Exception:
-            r = {"rc": None, "error": traceback.format_exc()}
-        j.update(status="ran", **{k: r.get(k) for k in ("rc", "seconds", "timed_out", "error")})
-        if r.get("rc") != 0:
-            j["log_tail"] = r.get("log_tail")
-        try:
-            part = json.loads(part_path.read_text())
-        except Exception:
-            part = None
-            j["error"] = j.get("error") or f"no readable part file (rc={r.get('rc')}, timed_out={r.get('timed_out')})"
-        left = deadline - clock()
-        if (j["mode"] == "kit" and j["model"] == "moe" and part is not None and part.get("status") == "init_failed"
-                and left >= need):
-            # The engine did not come up with the kit's MoE swapped in: try once more (a fresh
-            # process) with the RMSNorm swap only, so that kit mode still says something.
-            j["first_attempt"] = {"rc": r.get("rc"), "seconds": r.get("seconds"), "errors": part.get("errors")}
-            part_path.unlink()
-            r = launch("worker", cmd + ["--kit-no-moe"], worker_env(j["mode"]), left,
-                       out / "logs" / f"{j['model']}__{j['mode']}__no_moe.log")
-            j.update(retried_without_moe_swap=True, **{k: r.get(k) for k in ("rc", "seconds", "timed_out")})
-            j["log_tail"] = r.get("log_tail") if r.get("rc") != 0 else None
+    # 2. the workers, most important first (their jobs in a temporary folder: inputs, not results)
+    with tempfile.TemporaryDirectory(prefix="kit-vllm-jobs-") as jobs_dir:
+        for j in jobs:
+            left = deadline - clock()
+            need = MIN_JOB_S["eager" if j["mode"] == "kit" and not a.kit_compiled else "compiled"]
+            if left < need:
+                j.update(status="skipped", skipped=f"budget: {left:.0f} s left < {need:.0f} s needed to start")
+                write()
+                continue
+            part_path = out / "parts" / f"{j['model']}__{j['mode']}.json"
+            job_path = Path(jobs_dir) / f"{j['model']}__{j['mode']}.json"
+            if part_path.exists():
+                part_path.unlink()
+            job_path.write_text(json.dumps(worker_job(a, j["model"], j["mode"], deadline - 5.0, exps)))
+            cmd = R.worker_command(os.path.join(a.model_dir, j["model"]), job_path, part_path)
+            env = R.mode_env(j["mode"], gpu=True)
+            if j["mode"] == "kit" and j["model"] == "dense":
+                env[plugin.ENV_MOE] = "0"  # no experts to swap
+            try:
+                r = launch("worker", cmd, env, left, out / "logs" / f"{j['model']}__{j['mode']}.log")
+            except Exception:
+                r = {"rc": None, "error": traceback.format_exc()}
+            j.update(status="ran", **{k: r.get(k) for k in ("rc", "seconds", "timed_out", "error")})
+            if r.get("rc") != 0:
+                j["log_tail"] = r.get("log_tail")
             try:
                 part = json.loads(part_path.read_text())
             except Exception:
                 part = None
-                j["error"] = f"no readable part file after the retry (rc={r.get('rc')})"
-        if part is not None:
-            parts.append(part)
-        write()
+                j["error"] = (j.get("error")
+                              or f"no readable part file (rc={r.get('rc')}, timed_out={r.get('timed_out')})")
+            left = deadline - clock()
+            if (j["mode"] == "kit" and j["model"] == "moe" and part is not None and part.get("status") == "init_failed"
+                    and left >= need):
+                # The engine did not come up with the kit's MoE swapped in: try once more (a fresh
+                # process) with the RMSNorm swap only, so that kit mode still says something.
+                j["first_attempt"] = {"rc": r.get("rc"), "seconds": r.get("seconds"), "errors": part.get("errors")}
+                part_path.unlink()
+                r = launch("worker", cmd, {**env, plugin.ENV_MOE: "0"}, left,
+                           out / "logs" / f"{j['model']}__{j['mode']}__no_moe.log")
+                j.update(retried_without_moe_swap=True, **{k: r.get(k) for k in ("rc", "seconds", "timed_out")})
+                j["log_tail"] = r.get("log_tail") if r.get("rc") != 0 else None
+                try:
+                    part = json.loads(part_path.read_text())
+                except Exception:
+                    part = None
+                    j["error"] = f"no readable part file after the retry (rc={r.get('rc')})"
+            if part is not None:
+                parts.append({**part, "experiments": experiment_results(part)})
+            write()
     return extra
 
 
@@ -711,8 +496,6 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
 # --model PATH: a user's own model on the present device (CPU or GPU)
 # ---------------------------------------------------------------------------------------------
 
-#: ``--model`` modes -> :data:`batch_invariance_kit.vllm.runner.MODES`.
-USER_MODES = {"default": "default", "invariant": "vllm-invariant", "kit": "kit"}
 #: Batches of ``--model`` with a seed from here on are the needle trials (all fillers, other orders).
 NEEDLE_SEED = 800
 
@@ -725,7 +508,6 @@ def user_spec(folder, *, gpu: bool, quick: bool = False) -> dict:
     A folder with a tokenizer gets chat prompts (:mod:`.chat`); one without gets random token
     ids below its ``vocab_size``."""
     from . import chat
-    from .runner import make_spec
 
     sizes = (9, 33) if not gpu or quick else (9, 33, 49)
     trials = 1 if quick else 2
@@ -734,7 +516,7 @@ def user_spec(folder, *, gpu: bool, quick: bool = False) -> dict:
     with open(os.path.join(folder, "config.json")) as f:
         vocab = int(json.load(f).get("vocab_size", VOCAB))
     rng = random.Random(5)
-    if any(os.path.exists(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if R.has_tokenizer(folder):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(folder)
@@ -748,15 +530,13 @@ def user_spec(folder, *, gpu: bool, quick: bool = False) -> dict:
         fillers = [random_prompt(rng.randint(8, 160), 100 + i, vocab) for i in range(n_fill)]
     batches = [{"fillers": n - 2, "seed": 100 + n} for n in sizes]
     batches += [{"fillers": n_fill, "seed": NEEDLE_SEED + t} for t in range(trials)]
-    return make_spec(targets, fillers, max_tokens=new, filler_max_tokens=[rng.randint(2, 2 * new) for _ in fillers],
-                     batches=batches, decode_vs_prefill=1, dtype="bfloat16",
-                     max_model_len=max(len(p) for p in targets + fillers) + 2 * new + 8)
+    return R.make_spec(targets, fillers, max_tokens=new, filler_max_tokens=[rng.randint(2, 2 * new) for _ in fillers],
+                       batches=batches, decode_vs_prefill=1, dtype="bfloat16",
+                       max_model_len=max(len(p) for p in targets + fillers) + 2 * new + 8)
 
 
 def user_checks(docs: dict, platform: str) -> tuple:
     """Rows and checks of ``--model`` from the runner's documents per mode (``{mode: doc}``)."""
-    from .runner import summarize
-
     rows, checks = [], []
     for mode, d in docs.items():
         label = f"{mode}"
@@ -768,20 +548,19 @@ def user_checks(docs: dict, platform: str) -> tuple:
             checks.append({"name": f"{label}: the engine ran the experiment", "passed": False,
                            "informational": informational, "reason": last[0] if last else d.get("status")})
             continue
-        s = summarize(d)
+        s = R.summarize(d)
         alone = d["alone"]
         bs = []
         for b in d["batches"]:
             if b["seed"] >= NEEDLE_SEED:
                 continue
             t = b["targets"][0]
-            bs.append({"batch_size": b["requests"], "seed": b["seed"], **compare(alone[0]["tokens"], alone[0]["logprobs"],
-                                                                                t["tokens"], t["logprobs"])})
-        needle = distinct([(alone[1]["tokens"], alone[1]["logprobs"])]
-                          + [(b["targets"][1]["tokens"], b["targets"][1]["logprobs"]) for b in d["batches"]])
-        dv = d["decode_vs_prefill"][0]
-        dvp = {"positions": len(dv["decode"]), "equal_positions": sum(x == y for x, y in zip(dv["decode"], dv["prefill"])),
-               "max_abs_diff": max(abs(x - y) for x, y in zip(dv["decode"], dv["prefill"]))}
+            bs.append({"batch_size": b["requests"], "seed": b["seed"],
+                       **R.compare(alone[0]["tokens"], alone[0]["logprobs"], t["tokens"], t["logprobs"])})
+        needle = R.distinct([(alone[1]["tokens"], alone[1]["logprobs"])]
+                            + [(b["targets"][1]["tokens"], b["targets"][1]["logprobs"]) for b in d["batches"]])
+        dv = R.decode_vs_prefill(d["decode_vs_prefill"][0]["decode"], d["decode_vs_prefill"][0]["prefill"])
+        dvp = {k: dv[k] for k in ("positions", "equal_positions", "max_abs_diff")}
         row = {"op": "vllm_model", "impl": mode, "status": "done", "seconds": d.get("seconds"), "init_s": d.get("init_s"),
                "bs": bs, "needle": needle, "decode_vs_prefill": dvp, "alone_text": alone[0].get("text"),
                "plugin": d.get("plugin"), "summary": {k: s[k] for k in ("tokens_changed", "logprobs_changed")}}
@@ -839,7 +618,6 @@ def verdict_page(model: str, platform: str, version: str, rows: list, checks: li
 
 def run_user_model(a: argparse.Namespace) -> int:
     from ..report import results
-    from .runner import run_mode
 
     gpu = torch.cuda.is_available()
     platform = "cuda" if gpu else "cpu"
@@ -852,9 +630,9 @@ def run_user_model(a: argparse.Namespace) -> int:
         if left < 30:
             docs[mode] = {"status": "skipped", "error": f"budget: {left:.0f} s left"}
             continue
-        docs[mode] = run_mode(a.model, USER_MODES[mode], spec, timeout=left)
+        docs[mode] = R.run_mode(a.model, mode, spec, timeout=left)
         print(f"{mode:<10} {docs[mode].get('status')} in {docs[mode].get('seconds', 0):.0f} s", flush=True)
-    version = next((d.get("vllm") for d in docs.values() if d.get("vllm")), "?")
+    version = next((d["versions"]["vllm"] for d in docs.values() if (d.get("versions") or {}).get("vllm")), "?")
     rows, checks = user_checks(docs, platform)
     extra = {"plan": {"model": os.path.abspath(a.model), "modes": a.modes, "platform": platform,
                       "batches": spec["batches"], "max_tokens": spec["max_tokens"], "eager": spec["eager"],
@@ -874,13 +652,11 @@ def main(argv=None) -> int:
         return 2
     if a.build:
         return run_build(a)
-    if a.worker:
-        return run_worker(a)
     if a.model is not None:
         return run_user_model(a)
     if a.dry_run:
         jobs = plan(a.models, a.modes)
-        print(json.dumps({"jobs": [{"model": m, "mode": mode, "env": {**BASE_ENV, **MODE_ENV[mode]},
+        print(json.dumps({"jobs": [{"model": m, "mode": mode, "env": R.mode_env(mode, {}, gpu=True),
                                     "enforce_eager": mode == "kit" and not a.kit_compiled} for m, mode in jobs],
                           "budget_s": a.budget_s, "min_job_s": MIN_JOB_S, "model_dir": a.model_dir,
                           "experiments": EXPERIMENT_S}, indent=1))
