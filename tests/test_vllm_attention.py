@@ -5,7 +5,15 @@ into a cache in vLLM's per-layer layout and gives the bits of the kit's attentio
 cache layout, for a mixed step (decode rows, a chunk starting at an odd position, a prefix-hit
 sequence, a zero-token padding entry) with GQA; the metadata's plan is built once and shared by
 the layers; the backend's declarations; unsupported features refused.
+
+Builder level (vLLM's persistent input buffers emulated, a full-decode-graph configuration): the
+CUDA-graph support declared; decode steps refill the padded plan captured once (the same
+pointers at every step) and give the exact plan's bits, eagerly and replayed with the capture's
+metadata; mixed steps and decode steps above the capacity keep their exact plan.
 """
+import types
+
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +123,223 @@ def test_backend_declarations_and_refusals():
         KB.set_impl("fast")
     with pytest.raises(ValueError, match="kv_cache must be"):
         KB.kv_views(torch.zeros((4, HKV, BS, D)), HKV, D)
+
+
+# ---------------------------------------------------------------------------------------------
+# Builder level: the padded decode plan in persistent buffers (full CUDA graphs of decode steps)
+# ---------------------------------------------------------------------------------------------
+
+MAX_LEN, CAPACITY = 256, 8
+
+
+def _vllm_config(mode="FULL_AND_PIECEWISE", max_capture=16, max_num_seqs=CAPACITY):
+    """What the builder reads of a ``VllmConfig``: the head count, ``max_model_len``,
+    ``max_num_seqs`` and the CUDA-graph settings (a capture size above ``max_num_seqs``: vLLM
+    captures no decode graph of more requests than that)."""
+    from vllm.config import CUDAGraphMode
+
+    ns = types.SimpleNamespace
+    sizes = [s for s in (1, 2, 4, 8, 16) if s <= max_capture]
+    return ns(model_config=ns(get_num_attention_heads=lambda parallel_config: HQ, max_model_len=MAX_LEN),
+              parallel_config=None, scheduler_config=ns(max_num_seqs=max_num_seqs),
+              compilation_config=ns(cudagraph_mode=CUDAGraphMode[mode], cudagraph_capture_sizes=sizes,
+                                    max_cudagraph_capture_size=max_capture))
+
+
+def _builder(**config):
+    spec = types.SimpleNamespace(num_kv_heads=HKV, head_size=D, block_size=BS)
+    return KB.KitAttentionMetadataBuilder(spec, ["layer.0"], _vllm_config(**config), DEV)
+
+
+class _Runner:
+    """What the builder and a layer see of vLLM's GPU runner: persistent input buffers refilled in
+    place every step (int32 ``query_start_loc`` on host and device, ``seq_lens``, block table;
+    int64 slot mapping; the query, key, value and output rows) and one KV cache in vLLM's 4-D
+    layer layout.  A decode batch padded to ``pad_to`` requests (a capture size) gets padding
+    requests of no token and no context, zero block-table rows, slots -1 and zero token rows, as
+    vLLM pads a batch that a full graph replays."""
+
+    def __init__(self, dtype=torch.float32, max_reqs=12, max_tokens=64, num_blocks=128):
+        i32 = dict(dtype=torch.int32, device=DEV)
+        self.dtype, self.num_blocks = dtype, num_blocks
+        self.qsl_cpu = torch.zeros(max_reqs + 1, dtype=torch.int32)
+        self.qsl = torch.zeros(max_reqs + 1, **i32)
+        self.lens = torch.zeros(max_reqs, **i32)
+        self.bt = torch.zeros((max_reqs, -(-MAX_LEN // BS)), **i32)
+        self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=DEV)
+        self.q = torch.zeros((max_tokens, HQ, D), dtype=dtype, device=DEV)
+        self.k = torch.zeros((max_tokens, HKV, D), dtype=dtype, device=DEV)
+        self.v = torch.zeros((max_tokens, HKV, D), dtype=dtype, device=DEV)
+        self.out = torch.zeros((max_tokens, HQ, D), dtype=dtype, device=DEV)
+        self.kv = torch.zeros((num_blocks, HKV, BS, 2 * D), dtype=dtype, device=DEV)
+        self.k_view, self.v_view = KB.kv_views(self.kv, HKV, D)
+        self.impl = KB.KitAttentionImpl(HQ, D, D ** -0.5, HKV)
+
+    def step(self, seed, lens, qls, pad_to=None):
+        """Sequence ``s`` has context ``lens[s]`` after the step and ``qls[s]`` new tokens (their
+        history written to the cache now, the new keys by the layer); returns vLLM's common
+        metadata over the buffers."""
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        n, T = len(lens), sum(qls)
+        R = pad_to or n
+        Tp = T + R - n  # vLLM's padded token count: one padding token per padding request
+        bt = A.allocate_blocks(lens, BS, self.num_blocks, seed=seed, device=DEV)
+        self.bt.zero_()
+        self.bt[:n, :bt.shape[1]] = bt
+        g = seed * 101  # draws of fixed sizes: a sequence's values do not depend on the others
+        hist = torch.cat([A.slots(bt, s, 0, lens[s] - qls[s], BS) for s in range(n)])
+        if hist.numel():
+            H, hist_rows = hist.shape[0], (self.num_blocks * BS, HKV, D)
+            A.write_kv(seeded_normal(hist_rows, g + 4, dtype=self.dtype, device=DEV)[:H],
+                       seeded_normal(hist_rows, g + 5, dtype=self.dtype, device=DEV)[:H],
+                       self.k_view, self.v_view, hist)
+        for buf, off in ((self.q, 1), (self.k, 2), (self.v, 3)):
+            buf.zero_()
+            buf[:T] = seeded_normal(tuple(buf.shape), g + off, dtype=self.dtype, device=DEV)[:T]
+        self.slots.fill_(-1)
+        self.slots[:T] = torch.cat([A.slots(bt, s, lens[s] - qls[s], lens[s], BS) for s in range(n)])
+        qsl = np.concatenate([[0], np.cumsum(qls), np.full(R - n, T)]).astype(np.int32)
+        self.qsl_cpu.zero_()
+        self.qsl_cpu[:R + 1] = torch.from_numpy(qsl)
+        self.qsl.copy_(self.qsl_cpu)
+        self.lens.zero_()
+        self.lens[:n] = torch.tensor(lens, dtype=torch.int32)
+        self.T = T
+        return CommonAttentionMetadata(
+            query_start_loc=self.qsl[:R + 1], query_start_loc_cpu=self.qsl_cpu[:R + 1], seq_lens=self.lens[:R],
+            num_reqs=R, num_actual_tokens=Tp, max_query_len=max(qls), max_seq_len=max(lens),
+            block_table_tensor=self.bt[:R], slot_mapping=self.slots[:Tp])
+
+    def run(self, md):
+        """One layer over the buffers with ``md``: the output rows of the step's tokens.  With
+        the metadata of a capture (``md.num_actual_tokens``: the capture batch) after another
+        step refilled the buffers, this is what a replay of the captured graph computes."""
+        n = md.num_actual_tokens
+        self.out.fill_(7.0)
+        self.impl.forward(None, self.q[:n], self.k[:n], self.v[:n], self.kv, md, self.out[:n])
+        self.padding_written = not bool((self.out[self.T:n] == 7.0).all())  # rows past the step's tokens
+        return self.out[:self.T].clone()
+
+    def exact(self, lens, qls):
+        """The kit's attention of the step with its exact plan (``make_plan`` without padding)."""
+        n, T = len(lens), sum(qls)
+        plan = A.make_plan(lens, [0, *np.cumsum(qls).tolist()], q_heads=HQ, kv_heads=HKV, head_dim=D, device=DEV)
+        assert plan.decode.seq.numel() == sum(q == 1 for q in qls)  # no padding
+        return A.attention(self.q[:T], self.k_view, self.v_view, self.bt[:n], self.lens[:n], self.qsl[:n + 1],
+                           scale=D ** -0.5, plan=plan)
+
+
+def _pointers(md) -> list:
+    return [t.data_ptr() for t in (*md.plan.tensors(), md.plan.merge.acc, md.plan.merge.ml, md.query_start_loc,
+                                   md.seq_lens, md.block_table, md.slot_mapping)]
+
+
+def test_builder_declares_full_graphs_for_single_token_decode():
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    B = KB.KitAttentionMetadataBuilder
+    level = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert B.get_cudagraph_support(_vllm_config(), None) is level and B._cudagraph_support is level
+    assert KB.decode_graph_capacity(_vllm_config()) == CAPACITY  # capture sizes up to 16, max_num_seqs 8
+    assert KB.decode_graph_capacity(_vllm_config(max_capture=4)) == 4
+    for mode in ("NONE", "PIECEWISE"):
+        assert KB.decode_graph_capacity(_vllm_config(mode)) is None
+    cpu_build = _vllm_config()  # no capture size (vLLM's CPU build empties the list)
+    cpu_build.compilation_config.cudagraph_capture_sizes = []
+    assert KB.decode_graph_capacity(cpu_build) is None
+    assert KB.decode_graph_capacity(_vllm_config("FULL_DECODE_ONLY")) == CAPACITY
+
+
+def test_decode_steps_refill_the_captured_buffers():
+    """A capture of 8 requests, then decode steps of 3 requests (padded to 4) and 5 (padded to
+    8): every plan and metadata tensor at the capture's address, the layer's output the exact
+    plan's bits, eagerly and replayed with the capture's metadata (its plan object, its
+    tensor views, its token count)."""
+    r, b = _Runner(), _builder()
+    md_cap = b.build_for_cudagraph_capture(r.step(1, [1] * CAPACITY, [1] * CAPACITY))
+    assert md_cap.persistent and md_cap.plan.decode.seq.numel() == CAPACITY
+    before = KB.CALLS["padded_plans"]
+    for seed, lens, pad in ((2, [37, 100, 236], 4), (3, [9, 130, 64, 33, 250], 8)):
+        qls = [1] * len(lens)
+        md = b.build(0, r.step(seed, lens, qls, pad_to=pad))
+        assert md.persistent and md.num_actual_tokens == len(lens)
+        assert _pointers(md) == _pointers(md_cap)
+        got = r.run(md)
+        want = r.exact(lens, qls)
+        assert bitwise_equal(got, want)
+        assert bitwise_equal(r.run(md_cap), want), "a replay of the captured launch is not the step's"
+        assert not r.padding_written, "the capture batch's rows past the step's tokens were written"
+    assert KB.CALLS["padded_plans"] - before == 2
+
+
+def test_padded_decode_plan_bs1_equals_bsn_and_variant_is_caught():
+    """A long decode row alone (padded to 1 request) and beside seven others (8), both through
+    the refilled padded plan: the invariant kernels give equal bits, the split-KV variant (its
+    split chosen from the batch) does not (the negative control of this check)."""
+    n = 3 * 64 + 44
+    lens = [n, 9, 40, 77, 5, 130, 64, 33]
+    res = {}
+    try:
+        for impl in ("invariant", "variant"):
+            KB.set_impl(impl)
+            r, b = _Runner(), _builder()
+            rows, ptrs = [], []
+            for m in (1, len(lens)):
+                md = b.build(0, r.step(5, lens[:m], [1] * m, pad_to=m))
+                assert md.persistent and md.plan.impl == impl
+                ptrs.append(_pointers(md))
+                rows.append(r.run(md)[0])
+            assert ptrs[0] == ptrs[1]
+            res[impl] = bitwise_equal(rows[0], rows[1])
+    finally:
+        KB.set_impl("invariant")
+    assert res == {"invariant": True, "variant": False}, res
+
+
+def test_mixed_step_after_decode_keeps_the_exact_plan():
+    """Decode, then a mixed step (decodes, a chunk from an odd position, a prefix hit, a padding
+    entry), then decode again: the mixed step gets its exact plan (its own tensors) and the exact
+    bits; the next decode step refills the same buffers as the first."""
+    r, b = _Runner(), _builder()
+    md1 = b.build(0, r.step(6, [37, 20, 90], [1, 1, 1], pad_to=4))
+    ptrs = _pointers(md1)
+    lens, qls = [37, 20, 53, 0, 9], [1, 1, 11, 0, 9]
+    md = b.build(0, r.step(7, lens, qls))
+    assert not md.persistent and md.plan.decode.seq.numel() == 2 and md.plan.tiles.seq.numel() > 0
+    assert bitwise_equal(r.run(md), r.exact(lens, qls))
+    md2 = b.build(0, r.step(8, [12, 200], [1, 1], pad_to=2))
+    assert md2.persistent and _pointers(md2) == ptrs
+    assert bitwise_equal(r.run(md2), r.exact([12, 200], [1, 1]))
+
+
+def test_decode_above_capacity_or_without_full_graphs_keeps_the_exact_plan(monkeypatch):
+    """A decode step of more requests than the largest decode graph (vLLM runs it eagerly) gets
+    its exact plan and bits, and so does a capture batch of that size, which the layer then
+    refuses to run inside a graph capture (a capture is simulated: there is no GPU here); without
+    full decode graphs (``cudagraph_mode`` NONE) every step keeps its exact plan; switching the
+    impl after a capture is refused (the graphs hold the other plan's buffers)."""
+    r, b = _Runner(), _builder()
+    lens = [5, 17, 33, 48, 64, 65, 80, 96, 120, 7]
+    md = b.build(0, r.step(9, lens, [1] * len(lens)))
+    assert not md.persistent and md.plan.decode.seq.numel() == len(lens)
+    assert bitwise_equal(r.run(md), r.exact(lens, [1] * len(lens)))
+    md_big = b.build_for_cudagraph_capture(r.step(10, [1] * 10, [1] * 10))
+    md_cap = b.build_for_cudagraph_capture(r.step(10, [1] * 4, [1] * 4))
+    assert not md_big.persistent and md_cap.persistent
+    monkeypatch.setattr(KB, "_capturing", lambda t: True)
+    with pytest.raises(RuntimeError, match="per-step plan"):
+        r.run(md_big)
+    r.run(md_cap)  # the persistent plan runs under a capture
+    monkeypatch.undo()
+    md = _builder(mode="NONE").build(0, r.step(11, [37, 100], [1, 1]))
+    assert not md.persistent and md.plan.decode.seq.numel() == 2
+    try:
+        KB.set_impl("variant")
+        with pytest.raises(RuntimeError, match="after CUDA-graph capture"):
+            b.build(0, r.step(13, [37, 100], [1, 1]))
+    finally:
+        KB.set_impl("invariant")
 
 
 # ---------------------------------------------------------------------------------------------

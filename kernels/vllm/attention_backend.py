@@ -24,12 +24,34 @@ two halves.  The same kernel writes and reads the cache, so the content is the k
 Scope: decoder self-attention (causal; GQA), prefill, decode, mixed batches, chunked prefill and
 prefix caching, any block size that is a multiple of 16, ``kv_cache_dtype="auto"``.  Not
 supported (refused at construction): sliding windows, ALiBi, logit soft-capping, sinks, fp8 KV
-caches, encoder or cross attention.  CUDA graphs: the builder declares no full-graph support,
-so vLLM keeps attention outside its captured pieces (piecewise graphs) and the plan is built on
-the host every step (whole-array operations, no Python loop per sequence, tile or token); the
-kit's plan can be padded to fixed sizes for a full graph
-(``make_plan(decode_capacity=..., max_seq_len=...)``, :meth:`AttnPlan.copy_`), which this builder
-does not use.
+caches, encoder or cross attention.
+
+CUDA graphs.  The builder declares ``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``
+(:meth:`KitAttentionMetadataBuilder.get_cudagraph_support`; vLLM 0.26 and 0.32 alike): with
+vLLM's default ``FULL_AND_PIECEWISE`` mode, a step whose requests all decode one token runs the
+whole forward, attention included, as one captured graph; every other step (prefill, mixed,
+chunked prefill, speculative verification) runs attention eagerly between the piecewise graphs.
+A full graph replays the launches it recorded with the pointers and grid of its capture, so for
+decode steps the builder keeps one padded plan (:class:`DecodePlanBuffers`: ``make_plan(
+decode_capacity=capacity, max_seq_len=max_model_len)``, whose tensor sizes and launch grid do
+not depend on the batch) in buffers allocated once on the device.  A capture fills them for the
+capture batch; every decode step builds its padded plan on the host and copies it into the same
+buffers (one copy).  ``capacity`` (:func:`decode_graph_capacity`) is the most requests a full
+decode graph holds: vLLM's largest CUDA-graph capture size, at most ``max_num_seqs``.  vLLM pads
+a decode batch to a capture size with requests of no new token; they get no plan entry, and the
+padding tiles and merge entries up to ``capacity`` do nothing.  The metadata's
+``query_start_loc``, ``seq_lens``, ``block_table`` and ``slot_mapping`` are views of vLLM's own
+persistent buffers (``query_start_loc``, ``seq_lens`` and ``block_table`` in another dtype than
+int32 are copied into persistent int32 buffers of the builder), and the layer call reads nothing
+back from the device.  A padded plan with ``capacity * kv_heads`` programs at or above the
+config's ``serial_programs`` runs serially for every batch (no workspace); below, its workspace
+holds ``capacity`` tokens' split states for contexts up to ``max_model_len``.
+
+Steps that no full graph replays keep the exact plan of the step, built on the host each step
+(whole-array operations, no Python loop per sequence, tile or token): prefill and mixed steps,
+decode steps of more than ``capacity`` requests, and every step when vLLM captures no full
+decode graph (``enforce_eager``, ``PIECEWISE``, vLLM's CPU build, which captures none).  A layer refuses to run a
+per-step plan while a CUDA graph is being captured.
 
 :data:`CALLS` counts the builder's plans and the implementation's launches, so a test can prove
 the kit's attention was in the path.  :func:`set_impl` switches every layer to the kit's
@@ -38,9 +60,11 @@ split-KV *variant* (the negative control) or back.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ..ops import attention as A
@@ -57,11 +81,17 @@ try:
 except ImportError:  # pragma: no cover
     from vllm.v1.attention.backends.utils import MultipleOf  # type: ignore
 
-__all__ = ["CALLS", "KitAttentionBackend", "KitAttentionMetadata", "KitAttentionMetadataBuilder",
-           "KitAttentionImpl", "kv_views", "set_impl"]
+try:  # vLLM 0.26 and 0.32: vllm.v1.attention.backend; older releases: vllm.v1.attention.backends.utils
+    from vllm.v1.attention.backend import AttentionCGSupport
+except ImportError:  # pragma: no cover
+    from vllm.v1.attention.backends.utils import AttentionCGSupport  # type: ignore
 
-#: ``plans``: metadata builds (engine steps x KV cache groups); ``launches``: layer calls that
-#: ran the kit's kernels; ``tokens``: query tokens those calls attended
+__all__ = ["CALLS", "DecodePlanBuffers", "KitAttentionBackend", "KitAttentionMetadata",
+           "KitAttentionMetadataBuilder", "KitAttentionImpl", "decode_graph_capacity", "kv_views", "set_impl"]
+
+#: ``plans``: metadata builds (engine steps x KV cache groups), of which ``padded_plans`` refilled
+#: the persistent padded decode plan; ``launches``: layer calls that ran the kit's kernels outside
+#: CUDA-graph replays; ``tokens``: query tokens those calls attended
 CALLS: collections.Counter = collections.Counter()
 
 _IMPL = {"impl": "invariant"}
@@ -69,7 +99,9 @@ _IMPL = {"impl": "invariant"}
 
 def set_impl(impl: str) -> None:
     """Make every layer run the kit's ``"invariant"`` kernels (the default) or its split-KV
-    ``"variant"`` twin (to show a check catches batch dependence)."""
+    ``"variant"`` twin (to show a check catches batch dependence).  Once vLLM has captured full
+    CUDA graphs of decode steps, they hold the plan buffers of the impl of the capture: a decode
+    step under the other impl is then refused (switch with ``enforce_eager=True``)."""
     if impl not in ("invariant", "variant"):
         raise ValueError(f"impl must be 'invariant' or 'variant', got {impl!r}")
     _IMPL["impl"] = impl
@@ -153,6 +185,107 @@ class KitAttentionBackend(AttentionBackend):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
 
+def decode_graph_capacity(vllm_config) -> int | None:
+    """The most requests a full CUDA graph of a decode step holds under ``vllm_config``: vLLM's
+    largest capture size (of ``compilation_config.cudagraph_capture_sizes``), at most
+    ``scheduler_config.max_num_seqs`` (vLLM captures no decode graph of more requests); ``None``
+    when vLLM captures no full decode graph: its ``cudagraph_mode`` has no FULL decode mode
+    (``NONE``, ``PIECEWISE``, ``enforce_eager``) or it has no capture size (vLLM's CPU build)."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "cudagraph_mode", None)
+    sizes = getattr(cc, "cudagraph_capture_sizes", None)
+    if mode is None or not hasattr(mode, "decode_mode") or mode.decode_mode().name != "FULL" or not sizes:
+        return None
+    return min(int(max(sizes)), int(vllm_config.scheduler_config.max_num_seqs))
+
+
+def _parts(sizes: list) -> tuple:
+    """``(offsets, total)`` of int32 parts of ``sizes`` laid end to end, each starting on a
+    16-byte boundary (Triton specialises a kernel on its pointer arguments' alignment)."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // 4) * 4
+    return offsets, max(total, 4)
+
+
+class DecodePlanBuffers:
+    """One padded decode plan in persistent buffers: what a full CUDA graph of a decode step
+    records and replays.
+
+    ``make_plan(..., decode_capacity=capacity, max_seq_len=max_seq_len)`` gives every decode step
+    of up to ``capacity`` one-token sequences the same tensor sizes and launch grid but for the
+    per-token entries (the last three index tensors: ``num_tokens`` entries each).  The buffers
+    hold each of the plan's index tensors at its capacity, 16-byte aligned, in one int32 device
+    tensor, and its workspace; :meth:`refill` builds a step's padded plan on the host, writes it
+    into a host staging copy (pinned on CUDA) and moves that to the device in one asynchronous
+    copy, and returns the step's plan as views of the buffers: the same pointers at every step.
+    Entries past a step's tokens keep older values that no program reads (a token's entries are
+    read only for the step's own tokens; a padding merge entry reads token 0's)."""
+
+    def __init__(self, capacity: int, max_seq_len: int, *, q_heads: int, kv_heads: int, head_dim: int,
+                 impl: str = "invariant", device=None):
+        for name, v in (("capacity", capacity), ("max_seq_len", max_seq_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.capacity, self.max_seq_len, self.impl = capacity, max_seq_len, impl
+        self._kw = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, impl=impl,
+                        decode_capacity=capacity, max_seq_len=max_seq_len)
+        # the largest step: every tensor at its capacity
+        full = A.make_plan([max_seq_len] * capacity, np.arange(capacity + 1), device="cpu", **self._kw)
+        self._launch = self._launch_shape(full)
+        self._sizes = [t.numel() for t in full.tensors()]
+        self._offsets, total = _parts(self._sizes)
+        dev = A.DEVICE if device is None else torch.device(device)
+        self.buffer = torch.zeros(total, dtype=torch.int32, device=dev)
+        cuda = self.buffer.is_cuda
+        self._stage = torch.zeros(total, dtype=torch.int32, pin_memory=True) if cuda else self.buffer
+        self._stage_np = self._stage.numpy()
+        self._copied = torch.cuda.Event() if cuda else None  # the last copy out of the staging buffer
+        self._views = [self.buffer[o:o + n] for o, n in zip(self._offsets, self._sizes)]
+        self.acc = torch.zeros(full.merge.acc.shape, dtype=torch.float32, device=dev)
+        self.ml = torch.zeros(full.merge.ml.shape, dtype=torch.float32, device=dev)
+        self._plans: dict = {}
+
+    @staticmethod
+    def _launch_shape(plan: A.AttnPlan) -> tuple:
+        """What a captured launch fixes besides the per-token entries."""
+        return (plan.tiles.seq.numel(), plan.decode.seq.numel(), plan.merge.tokens.numel(), plan.tiles.serial,
+                plan.decode.serial, plan.merge.max_splits, tuple(plan.merge.acc.shape))
+
+    def refill(self, seq_lens, query_start_loc) -> A.AttnPlan:
+        """The padded plan of a decode step (host ``seq_lens``, ``query_start_loc``: every
+        sequence has one new token, or none as a padding entry; at most ``capacity`` tokens)
+        written into the buffers; returns it as views of them."""
+        plan = A.make_plan(seq_lens, query_start_loc, device="cpu", **self._kw)
+        if self._launch_shape(plan) != self._launch:
+            raise ValueError("seq_lens/query_start_loc must describe a decode step (one new token per sequence, "
+                             f"at most {self.capacity} of them)")
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the staging buffer
+        for o, t in zip(self._offsets, plan.tensors()):
+            if t.numel():
+                self._stage_np[o:o + t.numel()] = t.numpy()
+        if self._copied is not None:
+            self.buffer.copy_(self._stage, non_blocking=True)
+            self._copied.record()
+        return self._views_plan(plan)
+
+    def _views_plan(self, host: A.AttnPlan) -> A.AttnPlan:
+        """``host`` over the buffers (one plan object per token count, built once): every index
+        tensor at its capacity, the per-token ones (the last three) cut to the step's tokens."""
+        n = host.num_tokens
+        plan = self._plans.get(n)
+        if plan is None:
+            v = [*self._views[:11], *(view[:n] for view in self._views[11:])]
+            plan = self._plans[n] = dataclasses.replace(
+                host,
+                tiles=host.tiles._replace(seq=v[0], tok=v[1], rows=v[2], pos=v[3], split=v[4]),
+                decode=host.decode._replace(seq=v[5], tok=v[6], rows=v[7], pos=v[8], split=v[9]),
+                merge=host.merge._replace(tokens=v[10], rank=v[11], pos=v[12], split=v[13], acc=self.acc, ml=self.ml))
+        return plan
+
+
 @dataclass
 class KitAttentionMetadata:
     """One engine step's attention metadata, shared by the layers of a KV cache group."""
@@ -164,36 +297,126 @@ class KitAttentionMetadata:
     slot_mapping: torch.Tensor
     #: the kit's launch plan of the step, built once from host metadata
     plan: A.AttnPlan
+    #: the plan and the tensors live in persistent buffers (a full CUDA graph may record them)
+    persistent: bool = False
 
 
 class KitAttentionMetadataBuilder(AttentionMetadataBuilder):
-    """Builds :class:`KitAttentionMetadata` once per step (the plan from host metadata)."""
+    """Builds :class:`KitAttentionMetadata` once per step from host metadata.  Full CUDA graphs
+    for uniform single-token decode batches (see the module docstring): a decode step of up to
+    :func:`decode_graph_capacity` requests gets the padded plan refilled in persistent buffers
+    (:class:`DecodePlanBuffers`); every other step gets its exact plan."""
+
+    #: vLLM 0.26 and 0.32 read ``_cudagraph_support`` through :meth:`get_cudagraph_support`;
+    #: older releases read ``cudagraph_support``
+    _cudagraph_support: ClassVar = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    cudagraph_support: ClassVar = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.head_size = kv_cache_spec.head_size
         self.num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.device = device
+        self._capacity: int | None = None
+        self._capacity_read = False
+        #: per impl, the persistent padded decode plan (allocated at its first decode step)
+        self._decode: dict = {}
+        #: the impl whose buffers the captured graphs recorded
+        self._captured_impl: str | None = None
+        self._int32: dict = {}
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config=None, kv_cache_spec=None):
+        """``UNIFORM_SINGLE_TOKEN_DECODE``: full graphs for batches whose requests all decode
+        one token (the padded plan covers them); prefill, mixed and speculative-decoding
+        batches stay piecewise, attention outside the graphs."""
+        return cls._cudagraph_support
+
+    @property
+    def capacity(self) -> int | None:
+        """:func:`decode_graph_capacity` of the engine's configuration, read at the first build
+        (after vLLM settled its CUDA-graph mode)."""
+        if not self._capacity_read:
+            self._capacity = decode_graph_capacity(self.vllm_config)
+            self._capacity_read = True
+        return self._capacity
+
+    def _persistent_int32(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as int32 at a fixed address: ``t`` itself (a view of vLLM's persistent buffer)
+        when it is int32, else a copy into a persistent int32 buffer of the builder."""
+        if t.dtype == torch.int32:
+            return t
+        buf = self._int32.get(name)
+        if buf is None or buf.shape[0] < t.shape[0] or buf.shape[1:] != t.shape[1:]:
+            rows = max(t.shape[0], (self.capacity or 0) + (name == "query_start_loc"))
+            buf = self._int32[name] = torch.empty((rows, *t.shape[1:]), dtype=torch.int32, device=t.device)
+        out = buf[:t.shape[0]]
+        out.copy_(t)
+        return out
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KitAttentionMetadata:
-        m = common_attn_metadata
+        return self._build(common_attn_metadata, capture=False)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> KitAttentionMetadata:
+        """The metadata of a capture batch: for a decode batch of up to :attr:`capacity`
+        requests, the padded plan in the persistent buffers (every later decode step refills
+        them), and the impl of the captured graphs is fixed; any other batch (a piecewise capture
+        runs attention outside the graph) gets its exact plan, which the layer refuses to run
+        inside a graph capture."""
+        return self._build(common_attn_metadata, capture=True)
+
+    def _build(self, m: CommonAttentionMetadata, capture: bool) -> KitAttentionMetadata:
         n_reqs = m.num_reqs
         qsl_cpu = m.query_start_loc_cpu[:n_reqs + 1]
+        num_tokens = int(qsl_cpu[-1])
         # one host copy per step (a no-op when vLLM runs on the CPU), never one per layer
         lens_cpu = m.seq_lens[:n_reqs].cpu()
-        plan = A.make_plan(lens_cpu, qsl_cpu, q_heads=self.num_heads, kv_heads=self.num_kv_heads,
-                           head_dim=self.head_size, impl=_IMPL["impl"], device=self.device)
+        impl = _IMPL["impl"]
         CALLS["plans"] += 1
+        capacity = self.capacity
+        # a decode step: every request has one new token or none (vLLM's padding); a superset of
+        # the batches vLLM replays in a full decode graph, read from the host copy (not from
+        # max_query_len, which a runner may give as a bound)
+        qsl_np = qsl_cpu.numpy()
+        decode = num_tokens > 0 and int(np.diff(qsl_np).max()) <= 1
+        if decode and capacity is not None and num_tokens <= capacity:
+            if capture:
+                self._captured_impl = impl
+            elif self._captured_impl not in (None, impl):
+                raise RuntimeError(f"set_impl({impl!r}) after CUDA-graph capture: the captured decode graphs replay "
+                                   f"the {self._captured_impl!r} plan's buffers; switch impl with enforce_eager=True")
+            bufs = self._decode.get(impl)
+            if bufs is None:
+                bufs = self._decode[impl] = DecodePlanBuffers(
+                    capacity, self.max_model_len, q_heads=self.num_heads, kv_heads=self.num_kv_heads,
+                    head_dim=self.head_size, impl=impl, device=self.device)
+            CALLS["padded_plans"] += 1
+            return KitAttentionMetadata(
+                num_actual_tokens=num_tokens,
+                query_start_loc=self._persistent_int32("query_start_loc", m.query_start_loc[:n_reqs + 1]),
+                seq_lens=self._persistent_int32("seq_lens", m.seq_lens[:n_reqs]),
+                block_table=self._persistent_int32("block_table", m.block_table_tensor[:n_reqs]),
+                slot_mapping=m.slot_mapping,
+                plan=bufs.refill(lens_cpu, qsl_cpu),
+                persistent=True)
+        plan = A.make_plan(lens_cpu, qsl_cpu, q_heads=self.num_heads, kv_heads=self.num_kv_heads,
+                           head_dim=self.head_size, impl=impl, device=self.device)
         i32 = torch.int32
         return KitAttentionMetadata(
-            num_actual_tokens=int(qsl_cpu[-1]),
+            num_actual_tokens=num_tokens,
             query_start_loc=m.query_start_loc[:n_reqs + 1].to(i32),
             seq_lens=m.seq_lens[:n_reqs].to(i32),
             block_table=m.block_table_tensor[:n_reqs].to(i32),
             slot_mapping=m.slot_mapping,
             plan=plan)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``t``'s device."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class KitAttentionImpl(AttentionImpl):
@@ -233,6 +456,10 @@ class KitAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # a profiling / warm-up run
             return output
         md = attn_metadata
+        if not md.persistent and _capturing(query):
+            raise RuntimeError("attn_metadata holds a per-step plan, which a CUDA graph being captured would replay "
+                               "stale: the kit's backend has full graphs for single-token decode batches of up to "
+                               "the builder's capacity only")
         n = md.num_actual_tokens
         k_cache, v_cache = kv_views(kv_cache, self.num_kv_heads, self.head_size)
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
