@@ -201,11 +201,15 @@ def _matmul(rec, dev):
             b = torch.empty((K, 8192), dtype=dt, device=dev)
             bias = torch.empty(8192, dtype=dt, device=dev)
             a = torch.empty((300, K), dtype=dt, device=dev)
-            # every config the cost model may pick, forced (16-bit; fp32 compiles its picks below)
+            # every config the cost model may pick, forced (16-bit; fp32 compiles its picks below):
+            # with a bias and B as (N, K) over the short K, without and B as (K, N) rows over the
+            # long one (chunked)
             for cfg in MM._candidates(dt) if dt == torch.bfloat16 else []:
                 tag = f"{_dname(dt)} M=300 N=8192 K={K}"
-                rec.call(f"linear+bias invariant {cfg.name} {tag}", MM.linear, a, w, bias, config=cfg)  # B as (N, K)
-                rec.call(f"mm invariant {cfg.name} {tag}", MM.mm, a, b, config=cfg)  # B as (K, N) rows
+                if K == ks[0]:
+                    rec.call(f"linear+bias invariant {cfg.name} {tag}", MM.linear, a, w, bias, config=cfg)
+                else:
+                    rec.call(f"mm invariant {cfg.name} {tag}", MM.mm, a, b, config=cfg)
             for M in (1, 16, 64, 256, 4096):  # the model's own picks (config=None), 1-row and 16-row specialisations
                 a = torch.empty((M, K), dtype=dt, device=dev)
                 tag = f"{_dname(dt)} M={M} N=8192 K={K}"
