@@ -51,8 +51,9 @@ case "${1:-}" in
     # every core: pytest-xdist, one test file or notebook per worker (later -n/--dist arguments win).
     # The slowest files are named first: workers take files in this order, so the longest ones
     # start at once instead of leaving one worker busy at the end (pytest collects each file once).
+    # --durations: the log ends with the slowest tests, to keep the whole run inside CI's time
     .venv/bin/python -m pytest -n auto --dist loadfile $SLOWEST tests book --nbval \
-      --nbval-sanitize-with book/sanitize.cfg -p no:cacheprovider "${@:2}"
+      --nbval-sanitize-with book/sanitize.cfg -p no:cacheprovider --durations=25 "${@:2}"
     ;;
   *)
     echo "usage: bash tools/kit.sh book|test [pytest args]" >&2
