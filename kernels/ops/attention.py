@@ -268,9 +268,12 @@ def query_tile(q_heads: int, kv_heads: int, config: AttnConfig | None = None, *,
 
 
 @functools.lru_cache(maxsize=256)
-def _query_tiles(q_heads: int, kv_heads: int, cfg: AttnConfig) -> tuple:
-    """``(q_tile, qpk_pad, decode q_tile)`` of :func:`query_tile`, once per head layout and config."""
-    return (*query_tile(q_heads, kv_heads, cfg), query_tile(q_heads, kv_heads, cfg, decode=True)[0])
+def _layout(q_heads: int, kv_heads: int, head_dim: int, cfg: AttnConfig) -> tuple:
+    """``(q_tile, qpk_pad, decode q_tile, d_pad)``: :func:`query_tile` of the head layout and
+    config, and the head dim padded to a power of two (at least 16) as the workspace holds it;
+    once per head layout and config."""
+    return (*query_tile(q_heads, kv_heads, cfg), query_tile(q_heads, kv_heads, cfg, decode=True)[0],
+            max(16, triton.next_power_of_2(head_dim)))
 
 
 def _num_sms() -> int:
@@ -325,7 +328,7 @@ def _split_sizes(pos: np.ndarray, cfg: AttnConfig) -> np.ndarray:
     edges, sizes, table = _split_steps(cfg)
     if table is None:
         return sizes[np.searchsorted(edges, pos, side="right")]
-    return table.take(np.minimum(pos, len(table) - 1))
+    return table.take(pos, mode="clip")  # past the table: its last entry
 
 
 def _seq_splits(lens: np.ndarray, kv_heads: int, impl: str, cfg: AttnConfig) -> np.ndarray:
@@ -333,7 +336,9 @@ def _seq_splits(lens: np.ndarray, kv_heads: int, impl: str, cfg: AttnConfig) -> 
     if impl == "invariant":
         return _split_sizes(np.maximum(lens - 1, 0), cfg)
     num_splits = max(1, (2 * _num_sms()) // max(1, len(lens) * kv_heads))
-    return np.maximum(1, _cdiv(_cdiv(lens, num_splits), cfg.block_n)) * cfg.block_n
+    keys = lens if num_splits == 1 else _cdiv(lens, num_splits)
+    # rounded up to a multiple of block_n (a power of two), at least block_n (lens >= 0)
+    return np.maximum((keys + (cfg.block_n - 1)) & -cfg.block_n, cfg.block_n)
 
 
 def _cdiv(a, b):
@@ -969,6 +974,8 @@ def _host_list(name, x) -> list:
 def _host_ints(name, x) -> np.ndarray:
     """``x`` (a list of ints, a NumPy array or a 1-D integer tensor) as a 1-D int64 host array
     of values an int32 holds (the plan's dtype)."""
+    if type(x) is torch.Tensor and x.dtype is torch.int32 and x.ndim == 1 and x.is_cpu:
+        return x.numpy().astype(np.int64)  # vLLM's host metadata: every value fits
     if isinstance(x, torch.Tensor):
         if x.dtype not in _TORCH_INTS or x.dim() != 1:
             raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints, got {x.dtype} {tuple(x.shape)}")
@@ -1001,7 +1008,7 @@ def _check_metadata(lens: np.ndarray, qsl: np.ndarray, num_tokens: int | None = 
         raise ValueError(f"query_start_loc must start at 0 and end at num_tokens={end}, got {qsl[0]}..{qsl[-1]}")
     ql = qsl[1:] - qsl[:-1]
     first = lens - ql
-    low = np.minimum(ql, first)
+    low = ql | first  # negative where either is (the sign bit)
     if len(low) and low[low.argmin()] < 0:
         s = int((low < 0).argmax())
         if ql[s] < 0:
@@ -1147,6 +1154,7 @@ class AttnPlan:
         return self
 
 
+@functools.lru_cache(maxsize=256)
 def _max_splits_upto(n: int, cfg: AttnConfig) -> int:
     """The most splits a row at a position ``< n`` has under the invariant schedule: where the
     split size holds (:func:`_split_steps`), ``p // size + 1`` grows with ``p``, so the last
@@ -1159,12 +1167,25 @@ def _max_splits_upto(n: int, cfg: AttnConfig) -> int:
 def _device_ints(pieces: list, sizes: list, device: torch.device) -> list:
     """Int32 tensors on ``device`` of lengths ``sizes``, holding the host integer arrays
     ``pieces`` laid end to end (a tensor may span several pieces): views of one buffer, moved in
-    one copy (:func:`_aligned` off the CPU)."""
+    one copy (:func:`_aligned` off the CPU); every empty one is :func:`_no_ints` of the device."""
     buf = np.concatenate(pieces, dtype=np.int32)
+    filled = [n for n in sizes if n]
     if device.type == "cpu":  # the interpreter: no alignment enters
-        return torch.from_numpy(buf).split_with_sizes(sizes)
-    buf, padded = _aligned(buf, sizes)
-    return torch.from_numpy(buf).to(device).split_with_sizes(padded)[::2]
+        whole = torch.from_numpy(buf)
+        parts = iter(whole.split_with_sizes(filled))
+    else:
+        buf, padded = _aligned(buf, filled)
+        whole = torch.from_numpy(buf).to(device)
+        parts = iter(whole.split_with_sizes(padded)[::2])
+    empty = _no_ints(whole.device)
+    return [next(parts) if n else empty for n in sizes]
+
+
+@functools.lru_cache(maxsize=None)
+def _no_ints(device: torch.device) -> torch.Tensor:
+    """The empty int32 tensor on ``device`` (an index device: ``cuda:0``, never ``cuda``) that
+    stands for every empty index tensor of the plans there: no entry to read or write."""
+    return torch.empty(0, dtype=torch.int32, device=device)
 
 
 def _aligned(buf: np.ndarray, sizes: list) -> tuple:
@@ -1180,6 +1201,34 @@ def _aligned(buf: np.ndarray, sizes: list) -> tuple:
     return out, [n for pair in zip(sizes, gaps) for n in pair]
 
 
+#: The cached read-only int32 runs of :func:`_run`: ``arange``, zeros, ones
+_RUNS = [np.zeros(0, dtype=np.int32)] * 3
+
+
+def _run(kind: int, n: int) -> np.ndarray:
+    """The first ``n`` entries of a cached read-only int32 run: ``np.arange`` (``kind`` 0),
+    zeros (1) or ones (2); grown (doubled, at least 1024) when a step needs more."""
+    a = _RUNS[kind]
+    if len(a) < n:
+        size = max(n, 2 * len(a), 1024)
+        a = np.arange(size, dtype=np.int32) if kind == 0 else np.full(size, kind - 1, dtype=np.int32)
+        a.flags.writeable = False
+        _RUNS[kind] = a
+    return a[:n]
+
+
+def _workspace(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised fp32 ``(rows, cols)`` tensor on ``device``: below 4 MiB on the CPU a
+    NumPy allocation (fewer host calls than ``torch.empty``; larger ones NumPy advises into huge
+    pages, a system call more), else ``torch.empty`` (and its error where NumPy cannot allocate)."""
+    if device.type == "cpu" and rows * cols < 1 << 20:
+        try:
+            return torch.from_numpy(np.empty((rows, cols), dtype=np.float32))
+        except MemoryError:
+            pass
+    return torch.empty((rows, cols), dtype=torch.float32, device=device)
+
+
 def make_plan(seq_lens, query_start_loc, *, q_heads: int, kv_heads: int, head_dim: int, impl: str = "invariant",
               config: AttnConfig | None = None, device=None, decode_capacity: int | None = None,
               max_seq_len: int | None = None) -> AttnPlan:
@@ -1193,91 +1242,110 @@ def make_plan(seq_lens, query_start_loc, *, q_heads: int, kv_heads: int, head_di
     (:meth:`AttnPlan.copy_`, CUDA graphs).
 
     Built from whole-array NumPy operations on the step's sequences, tiles and tokens (no
-    Python loop over any of them) and moved to ``device`` in one copy."""
+    Python loop over any of them) and moved to ``device`` in one copy: one int32 buffer whose
+    views are the index tensors (every empty one the device's shared empty tensor,
+    :func:`_no_ints`).  The per-call host work is a fixed few dozen NumPy calls: the head
+    layout, the split-size table and the padded workspace bound are cached per config
+    (:func:`_layout`, :func:`_split_steps`, :func:`_max_splits_upto`), the runs of
+    consecutive ints, zeros and ones are slices of cached read-only arrays (:func:`_run`), an
+    int32 CPU tensor of metadata is read without a check of its range, and a decode step (one
+    token per sequence) is told apart by one reduction and builds no tile arrays."""
     cfg = _cfg(config)
     if impl not in ("invariant", "variant"):
         raise ValueError(f"make_plan: impl must be 'invariant' or 'variant', got {impl!r}")
-    for name, v in (("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        checks.positive_int(name, v)
+    checks.positive_int("q_heads", q_heads)
+    checks.positive_int("kv_heads", kv_heads)
+    checks.positive_int("head_dim", head_dim)
     if q_heads % kv_heads:
         raise ValueError(f"q_heads={q_heads} must be a multiple of kv_heads={kv_heads} (GQA)")
     _pos_int("decode_capacity", decode_capacity, none_ok=True)
     _pos_int("max_seq_len", max_seq_len, none_ok=True)
     lens, qsl = _host_ints("seq_lens", seq_lens), _host_ints("query_start_loc", query_start_loc)
     ql, first = _check_metadata(lens, qsl)
-    if max_seq_len is not None and lens.size and lens.max() > max_seq_len:
+    if max_seq_len is not None and lens.size and lens[lens.argmax()] > max_seq_len:
         raise ValueError(f"seq_lens holds {lens.max()} > max_seq_len={max_seq_len}")
-    dev = DEVICE if device is None else torch.device(device)
+    dev = DEVICE if device is None else device if type(device) is torch.device else torch.device(device)
     S, T = len(lens), int(qsl[-1])
-    q_tile, qpk_pad, dec_q_tile = _query_tiles(q_heads, kv_heads, cfg)
+    q_tile, qpk_pad, dec_q_tile, d_pad = _layout(q_heads, kv_heads, head_dim, cfg)
     invariant = impl == "invariant"
     seq_split = None if invariant else _seq_splits(lens, kv_heads, impl, cfg)
     start = qsl[:-1]  # per sequence: its first token (at position ``first``)
     # one-token steps: in decode tiles (one tile each) when the config has them
-    one = ql == 1 if cfg.decode_block_m is not None else np.zeros(S, dtype=bool)
-    n_dec = int(np.count_nonzero(one))
+    if cfg.decode_block_m is None:
+        one, n_dec = np.zeros(S, dtype=bool), 0
+    elif T == S and S and ql[ql.argmin()] == 1:  # a decode step: S tokens, each sequence at least one
+        one, n_dec = None, S
+    else:
+        one = ql == 1
+        n_dec = int(np.count_nonzero(one))
     if n_dec == S:  # a decode step
-        d_seq, d_tok, d_pos = np.arange(S), start, first
+        d_seq, d_tok, d_pos = _run(0, S), start, first
     else:
         d_seq = np.flatnonzero(one)
         d_tok, d_pos = start[d_seq], first[d_seq]
     d_split = _split_sizes(d_pos, cfg) if invariant else seq_split[d_seq]
-    decode = [d_seq, d_tok, np.ones(n_dec, dtype=np.int32), d_pos, d_split]
+    decode = [d_seq, d_tok, _run(2, n_dec), d_pos, d_split]
     # the other steps: tiles cut at the multiples of q_tile of the position (a power of two),
     # with the split size of their last row
     if n_dec < T:
         shift = q_tile.bit_length() - 1
         grid0 = first >> shift  # grid tile of each sequence's first token
-        n_tiles = np.where((ql > 0) & ~one, ((lens - 1) >> shift) - grid0 + 1, 0)
-        seq = np.repeat(np.arange(S), n_tiles)
-        grid = np.arange(len(seq)) + np.repeat(grid0 - (np.cumsum(n_tiles) - n_tiles), n_tiles)
-        lo = np.maximum(grid << shift, first[seq])
-        hi = np.minimum((grid + 1) << shift, lens[seq])
+        multi = ql > (0 if cfg.decode_block_m is None else 1)  # sequences with tokens, none in a decode tile
+        n_tiles = np.where(multi, ((lens - 1) >> shift) - grid0 + 1, 0)
+        seq = np.repeat(_run(0, S), n_tiles)
+        edge = (_run(0, len(seq)) + np.repeat(grid0 - (n_tiles.cumsum() - n_tiles), n_tiles)) << shift
+        # a tile's rows: from its grid edge (or its sequence's first position) to the next edge (or the end)
+        lo = np.maximum(edge, first[seq])
+        hi = np.minimum(edge + q_tile, lens[seq])
         tok = lo + (start - first)[seq]
         tiles = [seq, tok, hi - lo, lo, _split_sizes(hi - 1, cfg) if invariant else seq_split[seq]]
     else:
-        tiles = [np.zeros(0, dtype=np.int32)] * 5
+        tiles = [_run(1, 0)] * 5
     # per token (int32): its position and keys per split (from the tiles when one group holds them all)
     if n_dec == T:
         tok_pos, tok_split = d_pos, d_split
-    elif n_dec == 0:
-        tok_pos = np.arange(T, dtype=np.int32) + np.repeat((lo - tok).astype(np.int32), tiles[2])
-        tok_split = np.repeat(tiles[4], tiles[2])
     else:
-        tok_pos = np.arange(T, dtype=np.int32) + np.repeat((first - start).astype(np.int32), ql)
-        tok_split = _split_sizes(tok_pos, cfg) if invariant else np.repeat(seq_split, ql)
+        tok_pos = _run(0, T) + np.repeat((first - start).astype(np.int32), ql)
+        if n_dec == 0:
+            tok_split = np.repeat(tiles[4], tiles[2])
+        else:
+            tok_split = _split_sizes(tok_pos, cfg) if invariant else np.repeat(seq_split, ql)
     n_pad = 0
     if decode_capacity is not None:
         if n_dec > decode_capacity:
             raise ValueError(f"the step has {n_dec} one-token sequences, more than decode_capacity={decode_capacity}")
         n_pad = decode_capacity - n_dec  # padding tiles: 0 rows, and (parallel) merge entries -1
-    ser_t, ser_d = (invariant and cfg.serial_programs is not None and n * kv_heads >= cfg.serial_programs
-                    for n in (len(tiles[0]), n_dec + n_pad))
+    serial_at = cfg.serial_programs if invariant else None
+    ser_t = serial_at is not None and len(tiles[0]) * kv_heads >= serial_at
+    ser_d = serial_at is not None and (n_dec + n_pad) * kv_heads >= serial_at
     # the tokens of the parallel launches: their split states go through the workspace, which
     # is indexed by their rank here (serial tokens take no room in it)
     dec_merge, tile_merge = not ser_d and n_dec > 0, not ser_t and n_dec < T
     if (dec_merge or n_dec == 0) and (tile_merge or n_dec == T):  # every token
-        merge = rank = np.arange(T, dtype=np.int32)
+        merge = rank = _run(0, T)
     else:
         merge = d_tok if dec_merge else np.flatnonzero(np.repeat(~one, ql)) if tile_merge else d_tok[:0]
-        rank = np.zeros(T, dtype=np.int32)
-        rank[merge] = np.arange(len(merge), dtype=np.int32)
+        rank = _run(1, T)
+        if len(merge):
+            rank = rank.copy()
+            rank[merge] = _run(0, len(merge))
     if max_seq_len is not None and cfg.split_target is not None and invariant:
         max_splits = _max_splits_upto(max_seq_len, cfg)
     elif max_seq_len is not None:  # every split is a multiple of block_n
         max_splits = _cdiv(max_seq_len, cfg.block_n)
     elif len(merge) == T and T:
         max_splits = int((tok_pos // tok_split).max()) + 1
+    elif merge is d_tok:  # the decode tokens
+        max_splits = int((d_pos // d_split).max()) + 1
     elif len(merge):
         max_splits = int((tok_pos[merge] // tok_split[merge]).max()) + 1
     else:
         max_splits = 1
-    d_pad = max(16, triton.next_power_of_2(head_dim))
     ws_rows = max(1, (len(merge) + (0 if ser_d else n_pad)) * q_heads * max_splits)
     dec_warps, dec_stages = (cfg.serial_decode_warps, cfg.serial_decode_stages) if ser_d else \
         (cfg.num_warps, cfg.num_stages)
     if n_pad:  # padding tiles and merge entries
-        zeros = np.zeros(n_pad, dtype=np.int32)
+        zeros = _run(1, n_pad)
         decode = [d_seq, zeros, d_tok, zeros, decode[2], zeros, d_pos, zeros, d_split,
                   np.full(n_pad, cfg.block_n, dtype=np.int32)]
         if not ser_d:
@@ -1290,8 +1358,7 @@ def make_plan(seq_lens, query_start_loc, *, q_heads: int, kv_heads: int, head_di
                     TileGroup(q_tile, *t[0:5], ser_t, cfg.num_warps, cfg.num_stages),
                     TileGroup(dec_q_tile, *t[5:10], ser_d, dec_warps, dec_stages),
                     MergePlan(*t[10:14], max_splits,
-                              torch.empty((ws_rows, d_pad), dtype=torch.float32, device=dev),
-                              torch.empty((ws_rows, 2), dtype=torch.float32, device=dev)))
+                              _workspace(ws_rows, d_pad, dev), _workspace(ws_rows, 2, dev)))
 
 
 _PDL: dict = {}
