@@ -67,6 +67,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from ..checks import positive_int
 from ..ops import attention as A
 
 try:  # vLLM's interface (0.32: vllm.v1.attention.backend; older releases: vllm.attention.backends.abstract)
@@ -225,9 +226,8 @@ class DecodePlanBuffers:
 
     def __init__(self, capacity: int, max_seq_len: int, *, q_heads: int, kv_heads: int, head_dim: int,
                  impl: str = "invariant", device=None):
-        for name, v in (("capacity", capacity), ("max_seq_len", max_seq_len)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        positive_int("capacity", capacity)
+        positive_int("max_seq_len", max_seq_len)
         self.capacity, self.max_seq_len, self.impl = capacity, max_seq_len, impl
         self._kw = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, impl=impl,
                         decode_capacity=capacity, max_seq_len=max_seq_len)
