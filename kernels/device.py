@@ -41,6 +41,21 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+_SM_COUNTS: dict = {}
+
+
+def sm_count(device_index: int | None = None) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (the current device when
+    ``None``), read once per device.  Raises ``RuntimeError`` without CUDA: a CPU caller picks
+    its own stand-in (the interpreter's small counts that cross the kernels' thresholds)."""
+    if not HAS_CUDA:
+        raise RuntimeError("sm_count: no CUDA device in this process")
+    idx = torch.cuda.current_device() if device_index is None else int(device_index)
+    if idx not in _SM_COUNTS:
+        _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNTS[idx]
+
+
 def device_name() -> str:
     """A human-readable name of the present device (for ignored/sanitized cells)."""
     if HAS_CUDA:

@@ -137,12 +137,11 @@ import numpy as np
 import torch
 
 from .. import checks
-from ..device import DEVICE, INTERPRET
+from ..device import DEVICE, INTERPRET, sm_count
 
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
-from .matmul import _sm_count  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402  (Hopper's PDL)
 from .tl_numerics import from_f32, to_f32  # noqa: E402  (exact bf16 moves on the interpreter)
 
@@ -278,7 +277,7 @@ def _layout(q_heads: int, kv_heads: int, head_dim: int, cfg: AttnConfig) -> tupl
 
 def _num_sms() -> int:
     """SMs the variant plans for (8 under the interpreter: small batches cross its thresholds)."""
-    return 8 if INTERPRET else _sm_count(torch.cuda.current_device())
+    return 8 if INTERPRET else sm_count()
 
 
 def split_size_at(pos: int, config: AttnConfig | None = None) -> int:

@@ -70,7 +70,7 @@ from typing import NamedTuple
 import torch
 
 from .. import checks
-from ..device import INTERPRET
+from ..device import INTERPRET, sm_count
 from ..verify.planted import planted
 
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
@@ -240,7 +240,7 @@ def _check_select_args(M, N, K, dtype, sms) -> int:
 
 def _default_sms() -> int:
     """SMs of the current GPU; under the interpreter, those of the GPU :data:`COST_MODEL` was fit on."""
-    return COST_MODEL.sms if INTERPRET else _sm_count(torch.cuda.current_device())
+    return COST_MODEL.sms if INTERPRET else sm_count()
 
 
 def cost_terms(cfg: MMConfig, M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, sms: int,
@@ -347,15 +347,10 @@ def _resolve_config(config, M, N, K, dtype, compiled=None) -> MMConfig:
     return select_config(M, N, K, dtype, compiled=compiled) if config is None else config
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_programs_persistent(tiles: int, device_index: int | None = None) -> int:
     """Persistent grid: one program per SM of the device (the current one when ``device_index``
     is None; 3 under the interpreter, to exercise the loop)."""
-    sms = 3 if INTERPRET else _sm_count(torch.cuda.current_device() if device_index is None else device_index)
+    sms = 3 if INTERPRET else sm_count(device_index)
     return max(1, min(sms, tiles))
 
 
@@ -656,7 +651,7 @@ def _plan(B: int, M: int, N: int, K: int, dtype: torch.dtype, impl: str, cfg, ha
     config (``cfg``: a forced :class:`MMConfig`, or ``None`` for :func:`select_config`'s pick), K plan, grid,
     constexprs.  Cached per shape: an eager call looks it up and launches."""
     if cfg is None:  # the cost model's pick for one product on this device
-        cfg = select_config(M, N, K, dtype, sms=None if INTERPRET or device.index is None else _sm_count(device.index))
+        cfg = select_config(M, N, K, dtype, sms=None if INTERPRET or device.index is None else sm_count(device.index))
     bk = block_k(dtype)
     split, per_split, chunk_blocks = _k_plan(impl, cfg, M, N, K, dtype)
     tiles = B * _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)
