@@ -46,10 +46,9 @@ _SM_COUNTS: dict = {}
 
 def sm_count(device_index: int | None = None) -> int:
     """Streaming multiprocessors of CUDA device ``device_index`` (the current device when
-    ``None``), read once per device.  Raises ``RuntimeError`` without CUDA: a CPU caller picks
-    its own stand-in (the interpreter's small counts that cross the kernels' thresholds)."""
-    if not HAS_CUDA:
-        raise RuntimeError("sm_count: no CUDA device in this process")
+    ``None``), read once per device from torch's device properties (without CUDA torch raises:
+    a CPU caller picks its own stand-in, the interpreter's small counts that cross the kernels'
+    thresholds)."""
     idx = torch.cuda.current_device() if device_index is None else int(device_index)
     if idx not in _SM_COUNTS:
         _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
