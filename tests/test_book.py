@@ -177,3 +177,15 @@ def test_cross_references_carry_their_own_text():
             for m in re.finditer(r"\{doc\}`([^`<]*)`", text)]
     assert not bare, ("a bare {doc} reference prints the whole chapter title; write "
                       "{doc}`chapter N <file>`:\n" + "\n".join(bare))
+
+
+def test_the_write_your_own_template_runs():
+    """The template page's code is the code a reader copies: it runs as printed, its kernel
+    passes the harness bitwise and its variant twin is caught (the claims raise otherwise)."""
+    text = (ROOT / "book" / "write_your_own.md").read_text(encoding="utf-8")
+    m = re.search(r"\(template\)=\n## The template\n\n```python\n(.*?)```", text, re.S)
+    assert m, "book/write_your_own.md lost its template block"
+    out = subprocess.run([sys.executable, "-c", m.group(1)], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "row_scale: bitwise invariant" in out.stdout and "row_scale variant caught: True" in out.stdout, out.stdout

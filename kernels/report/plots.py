@@ -6,7 +6,9 @@ Every chapter draws through these helpers, so a reader sees the same conventions
   *variant* twin (the production-like, batch-dependent launch) always red, a *peer* (a vendor or
   compiler kernel with no invariance guarantee: cuBLAS, ``torch.compile``, SDPA,
   FlashAttention-3, vLLM's default mode) always grey, and a goal line always black and dashed.
-  Another implementation of the same role keeps the role's colour and changes its marker.
+  **One distinct colour and marker per line**: a second implementation of a role takes the next
+  shade of the role's family (:data:`SHADES`: blues, reds and oranges, greys) and the next marker
+  of the figure, so no two lines of a figure look alike.
 * **Speed** is the *speed ratio* of :mod:`batch_invariance_kit.report.cost`: the time of the
   fastest implementation without an invariance guarantee, measured in the same run, divided by
   the implementation's own time. Higher is better; 1 is parity with the fastest peer.
@@ -27,8 +29,13 @@ from . import cost
 
 #: One colour per role, across the whole book.
 COLORS = {"invariant": "#1f5fbf", "variant": "#c8312b", "peer": "#7a7a7a", "goal": "#000000"}
-#: Markers that tell apart implementations of one role (first, second, ... of that role).
-MARKERS = ["o", "s", "^", "D", "v", "x"]
+#: Shades of each role's colour: the first, second, ... implementation of a role in one figure.
+SHADES = {"invariant": ["#1f5fbf", "#5aa0e6", "#0b2e6b", "#7fb8c9"],
+          "variant": ["#c8312b", "#ec8a23", "#8e1b4f", "#f2b6a0"],
+          "peer": ["#7a7a7a", "#2e2e2e", "#b3b3b3", "#5c6b5c"],
+          "goal": ["#000000"]}
+#: Markers: one per line of a figure (the figure's first, second, ... line).
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "h"]
 #: Figure width in inches: 7 inches at 100 dpi fill the book's ~700 px column.
 WIDTH = 7.0
 DPI = 100
@@ -54,11 +61,14 @@ def role(impl: str) -> str:
     return "invariant" if cost.is_invariant(impl) else "peer"
 
 
-def line_style(impl: str, index: int = 0) -> dict:
-    """matplotlib keyword arguments for ``impl``: its role's colour, a marker by ``index``
-    (the implementation's rank within its role), solid for invariant, dashed otherwise."""
+def line_style(impl: str, index: int = 0, marker_index: int | None = None) -> dict:
+    """matplotlib keyword arguments for ``impl``: the ``index``-th shade of its role's colour
+    (the implementation's rank within its role in the figure), the ``marker_index``-th marker
+    (the line's rank in the figure; ``index`` when not given), solid for invariant, dashed for
+    a variant, dotted for a peer."""
     r = role(impl)
-    return {"color": COLORS[r], "marker": MARKERS[index % len(MARKERS)], "ms": 5,
+    m = index if marker_index is None else marker_index
+    return {"color": SHADES[r][index % len(SHADES[r])], "marker": MARKERS[m % len(MARKERS)], "ms": 5,
             "ls": "-" if r == "invariant" else ("--" if r == "variant" else ":"), "lw": 1.6}
 
 
@@ -100,6 +110,19 @@ def speed_figure(rows: list[dict], family, x: str, panel=None, *,
     nrows = math.ceil(n / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(WIDTH, height * nrows), sharey=True, squeeze=False)
     goals = [g for g in cost.GOALS if g["family"] in families and g["metric"] != "fraction_of_copy"]
+    # one style per implementation across the panels: its role's shade by rank, its own marker
+    names_all = []
+    for r in fam:
+        for name in speed_ratios(r):
+            name = "kit-invariant" if name == r["invariant"] else name
+            if name not in names_all:
+                names_all.append(name)
+    order = sorted(names_all, key=lambda n: (("invariant", "variant", "peer").index(role(n)), names_all.index(n)))
+    rank = {"invariant": 0, "variant": 0, "peer": 0}
+    styles = {}
+    for j, name in enumerate(order):
+        styles[name] = line_style(name, rank[role(name)], marker_index=j)
+        rank[role(name)] += 1
     for ax, key in zip(axes.flat, keys):
         sub = sorted((r for r in fam if pkey(r) == key), key=lambda r: r["params"][x])
         xs = [r["params"][x] for r in sub]
@@ -108,11 +131,10 @@ def speed_figure(rows: list[dict], family, x: str, panel=None, *,
             inv = r["invariant"]
             for name, v in speed_ratios(r).items():
                 series.setdefault("kit-invariant" if name == inv else name, {})[r["params"][x]] = v
-        rank = {"invariant": 0, "variant": 0, "peer": 0}
-        for name, pts in sorted(series.items(), key=lambda kv: ("invariant", "variant", "peer").index(role(kv[0]))):
+        for name in sorted(series, key=order.index):
+            pts = series[name]
             k = sorted(pts)
-            ax.plot(k, [pts[i] for i in k], label=_label(name), **line_style(name, rank[role(name)]))
-            rank[role(name)] += 1
+            ax.plot(k, [pts[i] for i in k], label=_label(name), **styles[name])
         for g in (g for g in goals if g["family"] == sub[0]["family"]):
             scope = [r["params"][x] for r in sub if g["scope"](r["params"])]
             if scope:
@@ -326,9 +348,11 @@ def sampler_trainer_figure(runs: list):
             continue
         x = [r["mean_seqs_per_step"] for r in rs]
         y = [float(r["kl"].mean()) for r in rs]
-        axes[1].plot(x, [v if v > 0 else floor for v in y], "o-" if impl == "variant" else "s--",
+        axes[1].plot(x, [v if v > 0 else floor for v in y], "o--" if impl == "variant" else "s-",
                      color=COLORS[impl], label=impl)
     axes[1].axhline(floor, color="k", ls=":", lw=0.8)
+    axes[1].text(0.99, floor, f"exactly 0 (drawn at {floor:.0e})", ha="right", va="bottom",
+                 transform=axes[1].get_yaxis_transform(), fontsize=8)
     axes[1].set_yscale("log")
     axes[1].set_xlabel("load: sequences per step (mean over the rollouts' steps)")
     axes[1].set_ylabel("mean KL per token")
