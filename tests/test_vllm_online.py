@@ -1,0 +1,147 @@
+"""CPU tests of :mod:`batch_invariance_kit.vllm.online`, the online check, without vLLM.
+
+The plan (seeded requests and times), the parsing of the server's answers (log-probabilities kept
+as the server's literals), the bitwise comparison, and the whole experiment against a stand-in
+server process (``tests/fake_openai_server.py``): started in its own process group, ready on
+``/health``, a streamed target and a cancelled neighbour, the checks passing on an invariant
+server and catching a batch-variant one, the group stopped.  The live run on vLLM's CPU build
+is chapter 7's."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from batch_invariance_kit.vllm import online as O
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_parse_choice_keeps_the_literals_and_join():
+    text = ('{"choices": [{"text": "ab", "finish_reason": "length", "logprobs": {"tokens": ["token_id:5", '
+            '"token_id:7"], "token_logprobs": [-0.10000000149011612, -2.5], "top_logprobs": '
+            '[{"token_id:9": -3.0, "token_id:5": -0.10000000149011612}, {"token_id:7": -2.5}]}}]}')
+    a = O.parse_choice(json.loads(text, parse_float=str)["choices"][0])
+    assert a.tokens == (5, 7) and a.logprobs == ("-0.10000000149011612", "-2.5")
+    assert a.top == (((5, "-0.10000000149011612"), (9, "-3.0")), ((7, "-2.5"),)) and a.finish_reason == "length"
+    parts = [O.Answer((5,), ("-1.0",), (((5, "-1.0"),),), "a"), O.Answer((), (), (), ""),
+             O.Answer((6,), ("-2.0",), (((6, "-2.0"),),), "b", "length")]
+    j = O.join(parts)
+    assert j.tokens == (5, 6) and j.logprobs == ("-1.0", "-2.0") and j.text == "ab" and j.finish_reason == "length"
+    with pytest.raises(ValueError, match="token_id"):
+        O.token_id("hello")
+    with pytest.raises(ValueError, match="token_logprobs"):
+        O.parse_choice({"logprobs": {"tokens": ["token_id:1"], "token_logprobs": [], "top_logprobs": [None]}})
+
+
+def test_compare_is_bitwise_on_the_literals():
+    a = O.Answer((1, 2, 3), ("-0.5", "-1.25", "-2.0"), ((), (), ()))
+    c = O.compare(a, a)
+    assert c.bitwise and c.first_token_diff is None and c.first_logprob_diff is None and c.max_abs_diff == 0.0
+    b = O.Answer((1, 2, 3), ("-0.5", "-1.2500001", "-2.0"), ((), (), ()))
+    c = O.compare(a, b)
+    assert c.tokens_equal and not c.logprobs_equal and not c.bitwise and c.first_logprob_diff == 1
+    assert 0 < c.max_abs_diff < 1e-6
+    c = O.compare(a, O.Answer((1, 2), ("-0.5", "-1.25"), ((), ())))   # shorter: a difference
+    assert not c.tokens_equal and c.first_token_diff == 2 and c.first_logprob_diff == 2
+    top = O.compare(a, O.Answer(a.tokens, a.logprobs, (((4, "-3.0"),), (), ())))
+    assert top.tokens_equal and top.logprobs_equal and not top.top_equal and not top.bitwise
+
+
+def test_plan_is_seeded_and_checked():
+    p = O.Plan(targets=[[3, 4, 5], [6, 7]], clients=3, per_client=2, rounds=2, vocab=100, seed=1)
+    r0, r0b, r1 = p.round(0), O.Plan(targets=[[3, 4, 5], [6, 7]], clients=3, per_client=2, rounds=2, vocab=100,
+                                       seed=1).round(0), p.round(1)
+    assert r0 == r0b and r0 != r1
+    names = [q.name for q in r0]
+    assert sorted(names) == sorted(["c0.0", "c0.1", "c1.0", "c1.1", "c2.0", "c2.1", "t0", "t1", "stream", "cancel"])
+    assert [q.at for q in r0] == sorted(q.at for q in r0) and all(0 <= q.at <= p.window_s for q in r0)
+    by = {q.name: q for q in r0}
+    assert by["t1"].prompt == (6, 7) and by["t1"].target == 1 and by["stream"].stream and by["stream"].target == 0
+    assert by["cancel"].cancel_after == 2 and by["cancel"].target is None
+    assert all(2 <= t < 100 for q in r0 for t in q.prompt)
+    assert p.max_model_len >= max(len(q.prompt) + q.max_tokens for q in r0)
+    with pytest.raises(TypeError, match="targets"):
+        O.Plan(targets=[])
+    with pytest.raises(ValueError, match="clients"):
+        O.Plan(targets=[[1]], clients=0)
+    with pytest.raises(ValueError, match="prompt_len"):
+        O.Plan(targets=[[1]], prompt_len=(5, 2))
+
+
+def test_server_env_and_command():
+    env = O.server_env("kit", gpu=False, report_dir="/r", base={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert env["KIT_BATCH_INVARIANT"] == "1" and env["TRITON_INTERPRET"] == "1" and env["KIT_PLUGIN_REPORT"] == "/r"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    env = O.server_env("default", gpu=True, report_dir="/r", base={})
+    assert env["KIT_BATCH_INVARIANT"] == "0" and "TRITON_INTERPRET" not in env and "KIT_PLUGIN_REPORT" not in env
+    cmd = O.server_command("/m", 1234, max_model_len=300, top_logprobs=5, eager=True, gpu=False, tokenizer=False)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enforce-eager" in cmd
+    assert "--skip-tokenizer-init" in cmd and cmd[cmd.index("--port") + 1] == "1234"
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "raw_logprobs" and "--no-enable-prefix-caching" in cmd
+
+
+def _fake(tmp_path, *args):
+    port = O.free_port()
+    cmd = [sys.executable, str(TESTS / "fake_openai_server.py"), "--port", str(port), *args]
+    return O.Server(cmd, {"PATH": "/usr/bin:/bin"}, tmp_path / "server.log")
+
+
+@pytest.mark.parametrize("variant", [False, True])
+def test_experiment_against_a_stand_in_server(tmp_path, variant):
+    import httpx
+
+    plan = O.Plan(targets=[[5, 6, 7], [8, 9]], max_tokens=6, clients=4, per_client=2, rounds=1,
+                  prompt_len=(2, 6), new_tokens=(4, 12), window_s=0.4, top_logprobs=3, vocab=50)
+    srv = _fake(tmp_path, "--start-s", "0.5", *(["--variant"] if variant else []))
+    with srv:
+        assert srv.wait_ready(30) >= 0.5
+        res = O.experiment(srv.base_url, plan, timeout_s=30, healthy=srv.healthy)
+        stats = httpx.get(srv.base_url + "/stats").json()
+    assert srv.proc.returncode is not None and not srv.healthy()
+    assert stats["aborted"] == 1 and res["healthy_after"]     # the cancelled stream, and the server went on
+    r = res["rounds"][0]
+    assert r["cancelled"]["cancelled"] and r["cancelled"]["tokens"] == 2 < r["cancelled"]["max_tokens"]
+    assert sorted(t["name"] for t in r["targets"]) == ["stream", "t0", "t1"]
+    assert all(t["in_flight_beside"] > 0 for t in r["targets"])
+    kit = {c["name"].split(": ", 1)[1]: c for c in O.checks("kit", res, platform="cpu",
+                                                           plugin_calls={"linear": 1, "rms_norm": 1})}
+    default = O.checks("default", res, platform="cuda")
+    assert len(kit) == 5 and default[0]["copies"] == 3
+    if variant:   # the same checks catch a batch-variant server
+        assert not kit[next(k for k in kit if k.startswith("2 target copies"))]["passed"]
+        assert default[0]["passed"] and default[0]["differs"] and default[0]["max_abs_diff"] > 0
+    else:
+        assert all(c["passed"] for c in kit.values()), kit
+        assert not default[0]["passed"] and not default[0]["differs"]
+    rows = O.rows_of("kit", "m", res)
+    assert [x["round"] for x in rows] == [0, 0, 0, "after"] and all(x["op"] == "vllm_online" for x in rows)
+
+
+def test_server_that_exits_or_hangs(tmp_path):
+    srv = O.Server([sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)", "--port", "1"], {},
+                   tmp_path / "a.log")
+    with srv, pytest.raises(RuntimeError, match="(?s)exited with code 3.*no such model"):
+        srv.wait_ready(30)
+    srv = _fake(tmp_path, "--start-s", "60")
+    with srv, pytest.raises(RuntimeError, match="not ready within 2 s"):
+        srv.wait_ready(2)
+    assert srv.proc.returncode is not None   # the group was stopped
+
+
+def test_checks_of_a_server_that_did_not_start():
+    (c,) = O.checks("kit", {"error": "RuntimeError: the server exited with code 1\nValueError: no memory"},
+                    platform="cpu")
+    assert not c["passed"] and not c["informational"] and c["reason"] == "ValueError: no memory"
+    (c,) = O.checks("default", {"error": "boom"}, platform="cpu")
+    assert not c["passed"] and c["informational"]
+
+
+def test_main_rejects_bad_arguments(capsys, tmp_path):
+    assert O.main(["--out", str(tmp_path), "--model", str(tmp_path), "--modes", "kit"]) == 2
+    assert "--model must be a local Hugging Face folder" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert O.main(["--out", str(tmp_path), "--model", str(tmp_path), "--modes", "fast"]) == 2
+    assert "--modes" in capsys.readouterr().err
+    assert O.main(["--out", str(tmp_path), "--model", str(tmp_path), "--clients", "0"]) == 2
+    assert "--clients" in capsys.readouterr().err
