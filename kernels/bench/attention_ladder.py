@@ -48,7 +48,8 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _ladder_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                   EDGE: tl.constexpr, TREE: tl.constexpr, FUSED_EXP: tl.constexpr, DOT_SUM: tl.constexpr):
+                   EDGE: tl.constexpr, TREE: tl.constexpr, FUSED_EXP: tl.constexpr, DOT_SUM: tl.constexpr,
+                   EXP2: tl.constexpr):
     s = tl.dot(q, kt)
     if EDGE:
         keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,8 +60,12 @@ def _ladder_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, 
             x = tl.where(vis, x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(tl.fma(s, scale, -m_use[:, None]))
+        if EXP2:  # base 2: ``scale`` holds scale * log2(e), and m is in base-2 units
+            alpha = tl.exp2(m - m_use)
+            p = tl.exp2(tl.fma(s, scale, -m_use[:, None]))
+        else:
+            alpha = tl.exp(m - m_use)
+            p = tl.exp(tl.fma(s, scale, -m_use[:, None]))
         if EDGE:
             p = tl.where(vis, p, 0.0)
     else:  # base 2: scale * log2(e) folded into one multiply (``scale`` holds it)
@@ -83,12 +88,33 @@ def _ladder_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _ladder_kv(k_ptr, v_ptr, bt_row, t, seq_off, kv_off, s_kb, s_ks, d, BLOCK_N: tl.constexpr,
-               CACHE_BLOCK: tl.constexpr, PAGED: tl.constexpr):
+def _ladder_fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, EXP2: tl.constexpr):
+    """The kit's fold (:func:`~batch_invariance_kit.ops.attention._fold`), in base 2 when ``EXP2``."""
+    if EXP2:
+        m_new = tl.maximum(m, m_i)
+        a = tl.exp2(m - m_new)
+        b = tl.exp2(m_i - m_new)
+        return m_new, tl.fma(l, a, l_i * b), tl.fma(acc, a[:, None], acc_i * b[:, None])
+    else:
+        return _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+
+
+@triton.jit
+def _ladder_kv(k_ptr, v_ptr, bt_row, t, seq_off, kv_off, s_kb, s_ks, d, blk, BLOCK_N: tl.constexpr,
+               CACHE_BLOCK: tl.constexpr, PAGED: tl.constexpr, BT: tl.constexpr):
+    """K (as ``(D, BLOCK_N)``) and V of tile ``t``.  ``BT``: how the block table is read: 0 one
+    entry per key (the kit's), 1 one entry per cache block then broadcast, 2 the entries ``blk``
+    given (read one tile ahead by the caller)."""
     keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
     if PAGED:
-        blk = tl.load(bt_row + keys // CACHE_BLOCK)
-        base = blk.to(tl.int64) * s_kb + (keys % CACHE_BLOCK) * s_ks + kv_off
+        if BT == 1:
+            nb: tl.constexpr = BLOCK_N // CACHE_BLOCK
+            b4 = tl.load(bt_row + t * nb + tl.arange(0, nb)).to(tl.int64)
+            base = tl.reshape(b4[:, None] * s_kb + tl.arange(0, CACHE_BLOCK)[None, :] * s_ks, (BLOCK_N,)) + kv_off
+        else:
+            if BT == 0:
+                blk = tl.load(bt_row + keys // CACHE_BLOCK)
+            base = blk.to(tl.int64) * s_kb + (keys % CACHE_BLOCK) * s_ks + kv_off
     else:
         base = seq_off + keys.to(tl.int64) * s_ks + kv_off
     kt = tl.load(k_ptr + base[None, :] + d[:, None])
@@ -97,12 +123,29 @@ def _ladder_kv(k_ptr, v_ptr, bt_row, t, seq_off, kv_off, s_kb, s_ks, d, BLOCK_N:
 
 
 @triton.jit
+def _ladder_tile(k_ptr, v_ptr, bt_row, q, m, l, acc, t, n_tiles, blk, limit, scale, seq_off, kv_off, s_kb, s_ks, d,
+                 BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, ROWS: tl.constexpr, PAGED: tl.constexpr,
+                 BT: tl.constexpr, EDGE: tl.constexpr, TREE: tl.constexpr, FUSED_EXP: tl.constexpr,
+                 DOT_SUM: tl.constexpr, EXP2: tl.constexpr):
+    """Tile ``t``'s online-softmax step; with ``BT == 2`` the block-table entries of tile ``t + 1``
+    are read here (returned for the next step) and tile ``t``'s come in ``blk``."""
+    nxt = blk
+    if BT == 2:
+        keys = (t + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nxt = tl.load(bt_row + keys // CACHE_BLOCK, mask=keys < n_tiles * BLOCK_N, other=0)
+    kt, v = _ladder_kv(k_ptr, v_ptr, bt_row, t, seq_off, kv_off, s_kb, s_ks, d, blk, BLOCK_N, CACHE_BLOCK, PAGED, BT)
+    m, l, acc = _ladder_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, EDGE, TREE, FUSED_EXP, DOT_SUM,
+                               EXP2)
+    return m, l, acc, nxt
+
+
+@triton.jit
 def _ladder_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr, tile_pos_ptr, tile_split_ptr, scratch_ptr,
                    out_ptr, scale, s_qt, s_qh, s_kb, s_ks, s_kh, s_bts, s_ot, s_oh,
                    QPK: tl.constexpr, Q_TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CACHE_BLOCK: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PACK: tl.constexpr, TREE: tl.constexpr,
-                   FUSED_EXP: tl.constexpr, SPLITS: tl.constexpr, SCRATCH: tl.constexpr, DOT_SUM: tl.constexpr):
+                   CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PACK: tl.constexpr,
+                   TREE: tl.constexpr, FUSED_EXP: tl.constexpr, SPLITS: tl.constexpr, SCRATCH: tl.constexpr,
+                   DOT_SUM: tl.constexpr, EXP2: tl.constexpr, BT: tl.constexpr):
     """Program (query tile, kv head when ``PACK`` else q head): causal attention of the tile's
     rows (every tile full; a sequence's tokens are its positions ``0 ..``)."""
     tile = tl.program_id(0)
@@ -128,6 +171,9 @@ def _ladder_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr, tile
     kv_off = kvh * s_kh
     n_full = pos0 // BLOCK_N  # tiles every row of the program sees whole
     n_tiles = (pos0 + Q_TILE - 1) // BLOCK_N + 1
+    blk = tl.arange(0, BLOCK_N) * 0
+    if BT == 2:
+        blk = tl.load(bt_row + tl.arange(0, BLOCK_N) // CACHE_BLOCK)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
@@ -140,38 +186,39 @@ def _ladder_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr, tile
                             + rows[:, None] * HEAD_DIM + d[None, :])
         folds = 0
         for t in range(0, n_tiles - 1):
-            kt, v = _ladder_kv(k_ptr, v_ptr, bt_row, t, seq_off, kv_off, s_kb, s_ks, d, BLOCK_N, CACHE_BLOCK, PAGED)
-            m_i, l_i, acc_i = _ladder_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, False, TREE,
-                                             FUSED_EXP, DOT_SUM)
+            m_i, l_i, acc_i, blk = _ladder_tile(k_ptr, v_ptr, bt_row, q, m_i, l_i, acc_i, t, n_tiles, blk, limit, scale,
+                                                seq_off, kv_off, s_kb, s_ks, d, BLOCK_N, CACHE_BLOCK, ROWS, PAGED, BT,
+                                                False, TREE, FUSED_EXP, DOT_SUM, EXP2)
             if (t + 1) % split_tiles == 0:
                 if SCRATCH:
                     prev = tl.load(ws, mask=(rows[:, None] * 0 + folds) > 0, other=0.0)
-                    m, l, tot = _fold(m, l, prev, m_i, l_i, acc_i, ROWS)
+                    m, l, tot = _ladder_fold(m, l, prev, m_i, l_i, acc_i, ROWS, EXP2)
                     tl.store(ws, tot)
                 else:
-                    m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+                    m, l, acc = _ladder_fold(m, l, acc, m_i, l_i, acc_i, ROWS, EXP2)
                 folds += 1
                 m_i = tl.full((ROWS,), float("-inf"), tl.float32)
                 l_i = tl.zeros_like(l_i)
                 acc_i = tl.zeros_like(acc_i)
         for t in range(n_tiles - 1, n_tiles):
-            kt, v = _ladder_kv(k_ptr, v_ptr, bt_row, t, seq_off, kv_off, s_kb, s_ks, d, BLOCK_N, CACHE_BLOCK, PAGED)
-            m_i, l_i, acc_i = _ladder_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, True, TREE,
-                                             FUSED_EXP, DOT_SUM)
+            m_i, l_i, acc_i, blk = _ladder_tile(k_ptr, v_ptr, bt_row, q, m_i, l_i, acc_i, t, n_tiles, blk, limit, scale,
+                                                seq_off, kv_off, s_kb, s_ks, d, BLOCK_N, CACHE_BLOCK, ROWS, PAGED, BT,
+                                                True, TREE, FUSED_EXP, DOT_SUM, EXP2)
         if SCRATCH:
             acc = tl.load(ws, mask=(rows[:, None] * 0 + folds) > 0, other=0.0)
-        m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+        m, l, acc = _ladder_fold(m, l, acc, m_i, l_i, acc_i, ROWS, EXP2)
     else:
         for t in range(0, n_full):
-            kt, v = _ladder_kv(k_ptr, v_ptr, bt_row, t, seq_off, kv_off, s_kb, s_ks, d, BLOCK_N, CACHE_BLOCK, PAGED)
-            m, l, acc = _ladder_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, False, TREE, FUSED_EXP,
-                                       DOT_SUM)
+            m, l, acc, blk = _ladder_tile(k_ptr, v_ptr, bt_row, q, m, l, acc, t, n_tiles, blk, limit, scale, seq_off,
+                                          kv_off, s_kb, s_ks, d, BLOCK_N, CACHE_BLOCK, ROWS, PAGED, BT, False, TREE,
+                                          FUSED_EXP, DOT_SUM, EXP2)
         for t in range(n_full, n_tiles):
-            kt, v = _ladder_kv(k_ptr, v_ptr, bt_row, t, seq_off, kv_off, s_kb, s_ks, d, BLOCK_N, CACHE_BLOCK, PAGED)
-            m, l, acc = _ladder_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, True, TREE, FUSED_EXP,
-                                       DOT_SUM)
+            m, l, acc, blk = _ladder_tile(k_ptr, v_ptr, bt_row, q, m, l, acc, t, n_tiles, blk, limit, scale, seq_off,
+                                          kv_off, s_kb, s_ks, d, BLOCK_N, CACHE_BLOCK, ROWS, PAGED, BT, True, TREE,
+                                          FUSED_EXP, DOT_SUM, EXP2)
     o = acc / l[:, None]
-    tl.store(out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :], o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty))
 
 
 #: The rungs, in order: (name, switches); each adds one rule to the one before.
@@ -185,20 +232,29 @@ RUNGS = [
 ]
 
 #: Candidate schedules beside the ladder: (name, switches, bits): ``bits`` "kit" = must equal
-#: the kit's output bitwise; "own" = another (still position-only) arithmetic.
+#: the kit's output bitwise (the same arithmetic, another load or register schedule); "own" =
+#: another arithmetic that prefill and decode would share (a function of the position only).
+_KIT = dict(PAGED=True, PACK=True, TREE=True, FUSED_EXP=True, SPLITS=True)
+_GPU = dict(PAGED=True, PACK=True, TREE=False, FUSED_EXP=True, SPLITS=True, DOT_SUM=True, EXP2=True)
 CANDIDATES = [
-    ("splits+scratch", dict(PAGED=True, PACK=True, TREE=True, FUSED_EXP=True, SPLITS=True, SCRATCH=True), "kit"),
-    ("splits+dot-sum", dict(PAGED=True, PACK=True, TREE=False, FUSED_EXP=True, SPLITS=True, DOT_SUM=True), "own"),
-    ("splits+dot-sum+scratch", dict(PAGED=True, PACK=True, TREE=False, FUSED_EXP=True, SPLITS=True, DOT_SUM=True,
-                                    SCRATCH=True), "own"),
-    ("exp+dot-sum", dict(PAGED=True, PACK=True, TREE=False, FUSED_EXP=True, SPLITS=False, DOT_SUM=True), "own"),
+    ("splits+scratch", dict(_KIT, SCRATCH=True), "kit"),
+    ("splits+bt-block", dict(_KIT, BT=1), "kit"),
+    ("splits+bt-ahead", dict(_KIT, BT=2), "kit"),
+    ("splits+dot-sum", dict(_KIT, TREE=False, DOT_SUM=True), "own"),
+    ("splits+dot-sum+scratch", dict(_KIT, TREE=False, DOT_SUM=True, SCRATCH=True), "own"),
+    ("splits+dot-sum+exp2", _GPU, "own"),
+    ("splits+dot-sum+exp2+bt-block", dict(_GPU, BT=1), "own"),
+    ("splits+dot-sum+exp2+bt-ahead", dict(_GPU, BT=2), "own"),
+    ("exp+dot-sum", dict(_KIT, TREE=False, DOT_SUM=True, SPLITS=False), "own"),
+    ("paged+bt-block", dict(PAGED=True, BT=1), "own"),
+    ("paged+bt-ahead", dict(PAGED=True, BT=2), "own"),
 ]
 
 #: Launch shapes tried for each rung: (tokens per program or tile rows, block_n, warps, stages).
 #: A packed program holds ``q_tile`` tokens times 4 q heads; an unpacked one ``block_m`` tokens.
 SHAPES = {
     False: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3)],
-    True: [(16, 64, 4, 2), (16, 64, 4, 3), (32, 64, 8, 2)],
+    True: [(16, 64, 4, 2), (16, 64, 4, 3), (32, 64, 8, 2), (16, 128, 4, 2), (32, 128, 8, 2)],
 }
 
 
@@ -219,12 +275,13 @@ def make_launch(switches: dict, shape: tuple, cell: dict, out: torch.Tensor, *, 
     """A zero-argument launch of :func:`_ladder_kernel` over ``cell`` (:func:`make_cell`) with
     everything prepared (so that it can be captured in a CUDA graph); it returns the compiled
     kernel."""
-    sw = dict(PAGED=False, PACK=False, TREE=False, FUSED_EXP=False, SPLITS=False, SCRATCH=False, DOT_SUM=False)
+    sw = dict(PAGED=False, PACK=False, TREE=False, FUSED_EXP=False, SPLITS=False, SCRATCH=False, DOT_SUM=False,
+              EXP2=False, BT=0)
     sw.update(switches)
     q_tile, block_n, warps, stages = shape
     qpk = HQ // HKV
     seq, tok, pos, split = _tiles(cell["seqs"], cell["n"], q_tile, reverse, cell["q"].device)
-    scale = D ** -0.5 * (1.0 if sw["FUSED_EXP"] else LOG2E)
+    scale = D ** -0.5 * (LOG2E if sw["EXP2"] or not sw["FUSED_EXP"] else 1.0)
     q, bt = cell["q"], cell["bt"]
     k, v = (cell["kc"], cell["vc"]) if sw["PAGED"] else (cell["k"], cell["v"])
     rows = q_tile * (qpk if sw["PACK"] else 1)
@@ -271,7 +328,7 @@ def _compiled_stats(kernel) -> dict:
     return out
 
 
-def ladder(quick: bool, cells=None, rungs=None, candidates=None, shapes=None) -> tuple:
+def ladder(quick: bool, cells=None, rungs=None, candidates=None, shapes=None, reverses=(False,)) -> tuple:
     """Every rung of :data:`RUNGS` and every candidate of :data:`CANDIDATES` at every launch
     shape of :data:`SHAPES`, at the prefill cells (``quick``: 1k and 4k), beside cuDNN SDPA and
     the kit's shipping kernel in the same run.  Checks: every rung computes attention (within
@@ -312,7 +369,9 @@ def ladder(quick: bool, cells=None, rungs=None, candidates=None, shapes=None) ->
         entries = [(r, sw, "ladder", None) for r, sw in rungs] + [(c, sw, "candidate", b) for c, sw, b in candidates]
         for label, sw, kind, want in entries:
             for shape in shapes[bool(sw.get("PACK"))]:
-                for reverse in ((False, True) if kind == "candidate" else (False,)):
+                if kind == "ladder" and sw.get("PACK") and shape[1] != cfg.block_n:
+                    continue  # the ladder's packed rungs keep the kit's 64-key tiles
+                for reverse in reverses:
                     out.fill_(float("nan"))
                     try:
                         run = make_launch(sw, shape, cell, out, reverse=reverse)
@@ -364,11 +423,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder of the result file")
     p.add_argument("--quick", action="store_true", help="the 1k and 4k cells only")
+    p.add_argument("--candidates", default=None, help="comma-separated candidate names (default: all)")
+    p.add_argument("--no-rungs", action="store_true", help="time the candidates only")
     args = p.parse_args(argv)
+    cands = CANDIDATES if args.candidates is None else [c for c in CANDIDATES if c[0] in args.candidates.split(",")]
     cells = ((1, 1024), (1, 4096)) if args.quick else ((1, 1024), (1, 4096), (1, 16384), (8, 2048))
     rows, checks = [], []
     for c in cells:
-        rows += ladder(args.quick, cells=(c,))[0]
+        rows += ladder(args.quick, cells=(c,), rungs=[] if args.no_rungs else None, candidates=cands)[0]
         checks = ladder_checks(rows, A.default_config().block_n)
         results.save("attention_ladder", rows, checks, folder=args.out)
     return 0 if all(c["passed"] for c in checks) else 1
