@@ -115,12 +115,11 @@ def _decode_positions_differing(c, q, pre, n, config=None) -> list:
     return (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
 
 
-#: Decode schedules compared by :func:`decode_tiles`: the shipped default, its serial decode
-#: programs with 2 pipeline stages, and 128-row, 8-warp prefill programs.
+#: Schedules compared by :func:`decode_tiles`: the shipped default and 128-key tiles with
+#: 128-row, 8-warp prefill programs (another reduction order: another fixed schedule).
 DECODE_TILE_CONFIGS = [
-    A.AttnConfig(serial_decode_stages=2),
     A.AttnConfig(),
-    A.AttnConfig(block_m=128, num_warps=8),
+    A.AttnConfig(block_n=128, block_m=128, num_warps=8),
 ]
 
 

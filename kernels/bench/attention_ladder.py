@@ -96,7 +96,7 @@ def _ladder_fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, EXP2: tl.conste
         b = tl.exp2(m_i - m_new)
         return m_new, tl.fma(l, a, l_i * b), tl.fma(acc, a[:, None], acc_i * b[:, None])
     else:
-        return _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+        return _fold(m, l, acc, m_i, l_i, acc_i, ROWS, False)
 
 
 @triton.jit
@@ -221,31 +221,31 @@ def _ladder_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr, tile
              o.to(out_ptr.dtype.element_ty))
 
 
-#: The rungs, in order: (name, switches); each adds one rule to the one before.
+#: The rungs, in order: (name, switches); each adds one rule to the one before.  The last one
+#: is the kit's compiled arithmetic and schedule.
 RUNGS = [
-    ("flash", dict(PAGED=False, PACK=False, TREE=False, FUSED_EXP=False, SPLITS=False)),
-    ("paged", dict(PAGED=True, PACK=False, TREE=False, FUSED_EXP=False, SPLITS=False)),
-    ("grid", dict(PAGED=True, PACK=True, TREE=False, FUSED_EXP=False, SPLITS=False)),
-    ("row-sum", dict(PAGED=True, PACK=True, TREE=True, FUSED_EXP=False, SPLITS=False)),
-    ("exp", dict(PAGED=True, PACK=True, TREE=True, FUSED_EXP=True, SPLITS=False)),
-    ("splits", dict(PAGED=True, PACK=True, TREE=True, FUSED_EXP=True, SPLITS=True)),
+    ("flash", dict(PAGED=False, PACK=False)),
+    ("paged", dict(PAGED=True, PACK=False)),
+    ("grid", dict(PAGED=True, PACK=True)),
+    ("row-sum", dict(PAGED=True, PACK=True, DOT_SUM=True)),
+    ("exp", dict(PAGED=True, PACK=True, DOT_SUM=True, FUSED_EXP=True, EXP2=True)),
+    ("splits", dict(PAGED=True, PACK=True, DOT_SUM=True, FUSED_EXP=True, EXP2=True, SPLITS=True)),
 ]
 
 #: Candidate schedules beside the ladder: (name, switches, bits): ``bits`` "kit" = must equal
 #: the kit's output bitwise (the same arithmetic, another load or register schedule); "own" =
 #: another arithmetic that prefill and decode would share (a function of the position only).
-_KIT = dict(PAGED=True, PACK=True, TREE=True, FUSED_EXP=True, SPLITS=True)
-_GPU = dict(PAGED=True, PACK=True, TREE=False, FUSED_EXP=True, SPLITS=True, DOT_SUM=True, EXP2=True)
+_KIT = dict(RUNGS[-1][1])
+_TREE = dict(PAGED=True, PACK=True, TREE=True, FUSED_EXP=True, SPLITS=True)  # pairwise-tree row sum, base e
 CANDIDATES = [
-    ("splits+scratch", dict(_KIT, SCRATCH=True), "kit"),
     ("splits+bt-block", dict(_KIT, BT=1), "kit"),
     ("splits+bt-ahead", dict(_KIT, BT=2), "kit"),
-    ("splits+dot-sum", dict(_KIT, TREE=False, DOT_SUM=True), "own"),
-    ("splits+dot-sum+scratch", dict(_KIT, TREE=False, DOT_SUM=True, SCRATCH=True), "own"),
-    ("splits+dot-sum+exp2", _GPU, "own"),
-    ("splits+dot-sum+exp2+bt-block", dict(_GPU, BT=1), "own"),
-    ("splits+dot-sum+exp2+bt-ahead", dict(_GPU, BT=2), "own"),
-    ("exp+dot-sum", dict(_KIT, TREE=False, DOT_SUM=True, SPLITS=False), "own"),
+    ("splits+scratch", dict(_KIT, SCRATCH=True), "kit"),
+    ("tree+exp", dict(_TREE, SPLITS=False), "own"),
+    ("tree+exp+splits", _TREE, "own"),
+    ("tree+exp+splits+scratch", dict(_TREE, SCRATCH=True), "own"),
+    ("tree+exp2+splits", dict(_TREE, EXP2=True), "own"),
+    ("dot-sum+exp+splits", dict(_TREE, TREE=False, DOT_SUM=True), "own"),
     ("paged+bt-block", dict(PAGED=True, BT=1), "own"),
     ("paged+bt-ahead", dict(PAGED=True, BT=2), "own"),
 ]

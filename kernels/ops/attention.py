@@ -174,6 +174,10 @@ __all__ = [
 
 IMPLS = ("invariant", "variant", "reference", "sdpa")
 
+#: ``log2(e)``: the compiled kernels keep their softmax state in base 2 (scores scaled by
+#: ``scale * LOG2E``, ``exp2``)
+LOG2E = 1.4426950408889634
+
 
 def _pos_int(name, v, *, none_ok=False):
     if v is None and none_ok:
@@ -654,9 +658,18 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
     the load schedule around it.  ``EDGE``: keys ``>= limit`` of a row are masked (score
     ``-inf``, probability 0), as the row's diagonal tile needs; in an earlier tile every key is
     visible to every row and the mask changes nothing (a launch may leave it out there: the
-    same bits).  The probability is ``exp(score * scale - m)`` with the scaling fused into the
-    subtraction (``fma``, one rounding) on the GPU, written out so that no compiler contracts
-    it in one tile and not in another; the interpreter rounds ``score * scale`` first."""
+    same bits).
+
+    Compiled (``UPCAST`` false), the state is kept in base 2: ``scale`` holds the score scale
+    times ``log2(e)``, ``m`` is in base-2 units and the probability is ``exp2(fma(score, scale,
+    -m))``, the scaling fused into the subtraction (one rounding), written out so that no
+    compiler contracts it in one tile and not in another.  16-bit probabilities are rounded to
+    V's dtype once; that tile goes through the tensor cores twice, ``p @ V`` and ``p @ ones``:
+    every column of the second is the row sum of the rounded ``p``, in the tensor cores' fixed
+    order for any tile height (``tl.max`` over the equal columns picks it exactly).  Under the
+    interpreter (``UPCAST``) the state is in base e (``exp(score * scale - m)``, the product
+    rounded first) and the row sum is the fixed pairwise tree of the fp32 ``p``
+    (:func:`_row_sum`); the interpreter's products are BLAS-free (``tl_numerics``)."""
     if UPCAST:
         kt = to_f32(kt)
     if kt.dtype == tl.float32:
@@ -670,20 +683,25 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
         x = tl.where(vis, x, float("-inf"))
     m_new = tl.maximum(m, tl.max(x, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - m_use)
     if UPCAST:
+        alpha = tl.exp(m - m_use)
         p = tl.exp(x - m_use[:, None])
     else:
-        p = tl.exp(tl.fma(s, scale, -m_use[:, None]))
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(tl.fma(s, scale, -m_use[:, None]))
         if EDGE:
             p = tl.where(vis, p, 0.0)
     if v.dtype == tl.float32:
         pv = tl.dot(p, v, input_precision="ieee")
+        rs = _row_sum(p, ROWS, BLOCK_N)
     elif UPCAST:  # interpreter: p rounded to V's dtype (as on the GPU), then exact fp32 dot
         pv = tl.dot(to_f32(from_f32(p, v.dtype)), to_f32(v), input_precision="ieee")
+        rs = _row_sum(p, ROWS, BLOCK_N)
     else:  # the GPU's own conversion rounds to nearest even, as from_f32 does (p is finite)
-        pv = tl.dot(p.to(v.dtype), v)
-    l = l * alpha + _row_sum(p, ROWS, BLOCK_N)
+        pb = p.to(v.dtype)
+        pv = tl.dot(pb, v)
+        rs = tl.max(tl.dot(pb, tl.full((BLOCK_N, 16), 1.0, v.dtype)), 1)
+    l = l * alpha + rs
     acc = acc * alpha[:, None] + pv
     return m_new, l, acc
 
@@ -728,12 +746,12 @@ def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv
     done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
     if BRANCH:
         if done:
-            m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+            m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS, not UPCAST)
             m_i = tl.full((ROWS,), float("-inf"), tl.float32)
             l_i = tl.zeros_like(l_i)
             acc_i = tl.zeros_like(acc_i)
     else:
-        m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS)
+        m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS, not UPCAST)
         m = tl.where(done, m_f, m)
         l = tl.where(done, l_f, l)
         acc = tl.where(done, acc_f, acc)
@@ -785,14 +803,18 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
 
 
 @triton.jit
-def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr):
+def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BASE2: tl.constexpr):
     """The left-fold step ``state (+) state_i`` in fp32: ``M = max(m, m_i)``, ``a = e^(m-M)``,
     ``b = e^(m_i-M)``, ``l = fma(l, a, l_i*b)``, ``acc = fma(acc, a, acc_i*b)``.  Written with
     explicit FMAs so that no compiler contracts it differently in the merge kernel (one row,
     ``ROWS = 0``: scalars and a ``(D,)`` vector) and in the serial split kernel (a tile of rows)."""
     m_new = tl.maximum(m, m_i)
-    a = tl.exp(m - m_new)
-    b = tl.exp(m_i - m_new)
+    if BASE2:  # the compiled kernels' states are in base 2 (``_tile_update``)
+        a = tl.exp2(m - m_new)
+        b = tl.exp2(m_i - m_new)
+    else:
+        a = tl.exp(m - m_new)
+        b = tl.exp(m_i - m_new)
     l = tl.fma(l, a, l_i * b)
     if ROWS == 0:
         acc = tl.fma(acc, a, acc_i * b)
@@ -877,7 +899,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
 def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_ptr, tok_split_ptr, max_splits,
                        q_heads, s_ot, s_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_BLK: tl.constexpr,
-                       CHUNK: tl.constexpr, PDL: tl.constexpr):
+                       CHUNK: tl.constexpr, PDL: tl.constexpr, BASE2: tl.constexpr):
     """Program (token of a parallel launch, q head, block of ``D_BLK`` columns): the left fold
     of the row's split states 0, 1, 2, ... into the empty state in fp32 (``_fold``), then ``out = acc / l`` rounded
     once to out's dtype.  A token entry ``-1`` (padding of a fixed-size plan) stores nothing.
@@ -902,14 +924,14 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_pt
     # split 0 folded into the empty state, then the rest CHUNK at a time
     m, l, acc = _fold(tl.full((D_BLK,), float("-inf"), tl.float32), tl.zeros((D_BLK,), tl.float32),
                       tl.zeros((D_BLK,), tl.float32), tl.load(ws_ml_ptr + w * 2 + col),
-                      tl.load(ws_ml_ptr + w * 2 + 1 + col), tl.load(ws_acc_ptr + w * D_PAD + d), 0)
+                      tl.load(ws_ml_ptr + w * 2 + 1 + col), tl.load(ws_acc_ptr + w * D_PAD + d), 0, BASE2)
     for c in range(1, n, CHUNK):  # CHUNK states per step: their loads are independent of the fold
         for j in tl.static_range(CHUNK):
             live = col + c + j < n  # states past the row's last leave it as it is (a select)
             m_j = tl.load(ws_ml_ptr + (w + c + j) * 2 + col, mask=live, other=float("-inf"))
             l_j = tl.load(ws_ml_ptr + (w + c + j) * 2 + 1 + col, mask=live, other=0.0)
             acc_j = tl.load(ws_acc_ptr + (w + c + j) * D_PAD + d, mask=live, other=0.0)
-            m_f, l_f, acc_f = _fold(m, l, acc, m_j, l_j, acc_j, 0)
+            m_f, l_f, acc_f = _fold(m, l, acc, m_j, l_j, acc_j, 0, BASE2)
             m = tl.where(live, m_f, m)
             l = tl.where(live, l_f, l)
             acc = tl.where(live, acc_f, acc)
@@ -1393,7 +1415,7 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merg
             continue
         _attn_split_kernel[(g.seq.shape[0], hkv, 1 if g.serial else mp.max_splits)](
             q, k_cache, v_cache, block_table, g.seq, g.tok, g.rows, g.pos, g.split, mp.rank,
-            mp.acc, mp.ml, out, scale, mp.max_splits, hq,
+            mp.acc, mp.ml, out, scale if INTERPRET else scale * LOG2E, mp.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=g.q_tile, BLOCK_N=plan.config.block_n, CACHE_BLOCK=bs,
@@ -1404,6 +1426,7 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merg
         _attn_merge_kernel[(mp.tokens.shape[0], hq, d_pad // d_blk)](
             mp.acc, mp.ml, out, mp.tokens, mp.pos, mp.split, mp.max_splits, hq,
             out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, D_BLK=d_blk, CHUNK=FOLD_CHUNK, PDL=pdl,
+            BASE2=not INTERPRET,
             num_warps=1, **({"launch_pdl": True} if pdl else {}))
     return out
 
