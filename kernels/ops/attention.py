@@ -174,6 +174,10 @@ __all__ = [
 
 IMPLS = ("invariant", "variant", "reference", "sdpa")
 
+#: columns of ``p @ ones``, the compiled kernels' row sum of 16-bit probabilities (the narrowest
+#: tensor-core product that every tile height takes)
+ROW_SUM_COLUMNS = 16
+
 #: ``log2(e)``: the compiled kernels keep their softmax state in base 2 (scores scaled by
 #: ``scale * LOG2E``, ``exp2``)
 LOG2E = 1.4426950408889634
@@ -631,7 +635,7 @@ def _row_sum(p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok,
-             BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, EDGE: tl.constexpr):
+             BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, EDGE: tl.constexpr, EVEN_D: tl.constexpr):
     """K (as ``(D, BLOCK_N)``) and V (``(BLOCK_N, D)``) of KV tile ``t`` from the paged cache,
     through the block table.  ``EDGE``: the tile may reach ``key_end`` (keys ``>= key_end``
     read as zeros, their block-table entries are not read); otherwise every key of the tile is
@@ -646,14 +650,18 @@ def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok,
     else:
         blk = tl.load(bt_row + keys // CACHE_BLOCK)
         base = blk.to(tl.int64) * s_cb + (keys % CACHE_BLOCK) * s_cs + kv_off
-        kt = tl.load(kc_ptr + base[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
-        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        if EVEN_D:  # head_dim is its power of two: no column mask
+            kt = tl.load(kc_ptr + base[None, :] + d[:, None])
+            v = tl.load(vc_ptr + base[:, None] + d[None, :])
+        else:
+            kt = tl.load(kc_ptr + base[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+            v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
     return kt, v
 
 
 @triton.jit
 def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                 UPCAST: tl.constexpr, EDGE: tl.constexpr):
+                 UPCAST: tl.constexpr, EDGE: tl.constexpr, LCOLS: tl.constexpr):
     """One online-softmax step over KV tile ``t``: the arithmetic every schedule shares, whatever
     the load schedule around it.  ``EDGE``: keys ``>= limit`` of a row are masked (score
     ``-inf``, probability 0), as the row's diagonal tile needs; in an earlier tile every key is
@@ -666,7 +674,11 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
     compiler contracts it in one tile and not in another.  16-bit probabilities are rounded to
     V's dtype once; that tile goes through the tensor cores twice, ``p @ V`` and ``p @ ones``:
     every column of the second is the row sum of the rounded ``p``, in the tensor cores' fixed
-    order for any tile height (``tl.max`` over the equal columns picks it exactly).  Under the
+    order for any tile height; ``tl.max`` over the equal columns picks it exactly.  A program
+    with ``LCOLS`` keeps ``l`` as those equal columns instead (the same operations on the same
+    values in each column, so the same bits) and picks a row's value only where it is needed
+    (:func:`_l_row`): a 16-row tile spreads the columns over its warps, and no reduction across
+    warps then runs per tile; 64-row programs reduce within a thread group and keep rows.  Under the
     interpreter (``UPCAST``) the state is in base e (``exp(score * scale - m)``, the product
     rounded first) and the row sum is the fixed pairwise tree of the fp32 ``p``
     (:func:`_row_sum`); the interpreter's products are BLAS-free (``tl_numerics``)."""
@@ -700,58 +712,82 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
     else:  # the GPU's own conversion rounds to nearest even, as from_f32 does (p is finite)
         pb = p.to(v.dtype)
         pv = tl.dot(pb, v)
-        rs = tl.max(tl.dot(pb, tl.full((BLOCK_N, 16), 1.0, v.dtype)), 1)
-    l = l * alpha + rs
+        rs = tl.dot(pb, tl.full((BLOCK_N, 16), 1.0, v.dtype))  # ROW_SUM_COLUMNS of equal row sums
+        if not LCOLS:
+            rs = tl.max(rs, 1)
+    if LCOLS:
+        l = l * alpha[:, None] + rs
+    else:
+        l = l * alpha + rs
     acc = acc * alpha[:, None] + pv
     return m_new, l, acc
 
 
 @triton.jit
+def _l_zeros(ROWS: tl.constexpr, LCOLS: tl.constexpr):
+    """The empty state's row sums: ``(ROWS,)``, or ``(ROWS, LCOLS)`` equal columns."""
+    if LCOLS:
+        return tl.zeros((ROWS, LCOLS), tl.float32)
+    else:
+        return tl.zeros((ROWS,), tl.float32)
+
+
+@triton.jit
+def _l_row(l, LCOLS: tl.constexpr):
+    """Each row's sum from a state's ``l`` (its equal columns: ``tl.max`` picks the value exactly)."""
+    if LCOLS:
+        return tl.max(l, 1)
+    else:
+        return l
+
+
+@triton.jit
 def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit,
                  scale, ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                 UPCAST: tl.constexpr, WIDE: tl.constexpr):
+                 UPCAST: tl.constexpr, WIDE: tl.constexpr, LCOLS: tl.constexpr, EVEN_D: tl.constexpr):
     """The fp32 state ``(m, l, acc)`` of one split: online softmax from scratch over KV tiles
     ``t_lo .. t_hi - 1`` in increasing order (the row's diagonal tile ``n_tiles - 1``, when the
     split holds it, last).  ``WIDE``: the loop shape of the multi-token programs (``_row_state``)."""
     key_end = tl.minimum(key_stop, t_hi * BLOCK_N)  # the split's last key + 1 (loads stop there)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
-    l = tl.zeros((ROWS,), tl.float32)
+    l = _l_zeros(ROWS, LCOLS)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
     if WIDE:  # the tiles below the diagonal without masks, then the diagonal tile if the split holds it
         for t in range(t_lo, tl.minimum(t_hi, n_tiles - 1)):
             kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
-                             False)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False)
+                             False, EVEN_D)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False, LCOLS)
         for t in range(tl.maximum(t_lo, n_tiles - 1), t_hi):
             kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
-                             True)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True)
+                             True, EVEN_D)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, LCOLS)
     else:  # one loop, every tile masked
         for t in range(t_lo, t_hi):
             kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
-                             True)
-            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True)
+                             True, EVEN_D)
+            m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, LCOLS)
     return m, l, acc
 
 
 @triton.jit
 def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off, s_cb, s_cs, d, d_ok, limit,
                  scale, m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, EDGE: tl.constexpr, BRANCH: tl.constexpr):
+                 CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, EDGE: tl.constexpr, BRANCH: tl.constexpr,
+                 LCOLS: tl.constexpr, EVEN_D: tl.constexpr):
     """Tile ``t`` of the serial launch: the split state's online-softmax step, then, when the
     split is complete, it is folded into the running state (``_fold``) and the split state
     starts again."""
-    kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, EDGE)
-    m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, EDGE)
+    kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, EDGE, EVEN_D)
+    m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, EDGE, LCOLS)
     done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
     if BRANCH:
         if done:
-            m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS, not UPCAST)
+            m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS, not UPCAST, LCOLS)
             m_i = tl.full((ROWS,), float("-inf"), tl.float32)
             l_i = tl.zeros_like(l_i)
             acc_i = tl.zeros_like(acc_i)
     else:
-        m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS, not UPCAST)
+        m_f, l_f, acc_f = _fold(m, l, acc, m_i, l_i, acc_i, ROWS, not UPCAST, LCOLS)
         m = tl.where(done, m_f, m)
         l = tl.where(done, l_f, l)
         acc = tl.where(done, acc_f, acc)
@@ -764,7 +800,7 @@ def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv
 @triton.jit
 def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
                ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-               UPCAST: tl.constexpr, WIDE: tl.constexpr):
+               UPCAST: tl.constexpr, WIDE: tl.constexpr, LCOLS: tl.constexpr, EVEN_D: tl.constexpr):
     """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
     loop over the tiles below the diagonal (the loads of the next tile never wait for a split
     to close), then the diagonal tile: each split's state is built from scratch exactly as
@@ -780,30 +816,30 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
     branch; ``results/h200/explorations/attention_loop``)."""
     key_end = tl.minimum(key_stop, n_tiles * BLOCK_N)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
-    l = tl.zeros((ROWS,), tl.float32)
+    l = _l_zeros(ROWS, LCOLS)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
-    l_i = tl.zeros((ROWS,), tl.float32)
+    l_i = _l_zeros(ROWS, LCOLS)
     acc_i = tl.zeros((ROWS, D_PAD), tl.float32)
     if WIDE:
         for t in range(0, n_tiles - 1):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, True)
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, True, LCOLS, EVEN_D)
         for t in range(tl.maximum(n_tiles - 1, 0), n_tiles):  # the diagonal tile (none in a padding tile)
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, True)
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, True, LCOLS, EVEN_D)
     else:
         for t in range(0, n_tiles):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, False)
+                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, False, LCOLS, EVEN_D)
     return m, l, acc
 
 
 @triton.jit
-def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BASE2: tl.constexpr):
+def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BASE2: tl.constexpr, LCOLS: tl.constexpr = 0):
     """The left-fold step ``state (+) state_i`` in fp32: ``M = max(m, m_i)``, ``a = e^(m-M)``,
     ``b = e^(m_i-M)``, ``l = fma(l, a, l_i*b)``, ``acc = fma(acc, a, acc_i*b)``.  Written with
     explicit FMAs so that no compiler contracts it differently in the merge kernel (one row,
@@ -815,7 +851,10 @@ def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BASE2: tl.constexpr):
     else:
         a = tl.exp(m - m_new)
         b = tl.exp(m_i - m_new)
-    l = tl.fma(l, a, l_i * b)
+    if LCOLS:
+        l = tl.fma(l, a[:, None], l_i * b[:, None])
+    else:
+        l = tl.fma(l, a, l_i * b)
     if ROWS == 0:
         acc = tl.fma(acc, a, acc_i * b)
     else:
@@ -830,7 +869,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_PAD: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
-                       WIDE: tl.constexpr):
+                       WIDE: tl.constexpr, LCOLS: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
@@ -878,22 +917,24 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
     kv_off = kvh * s_ch
     if SERIAL:
         m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                               d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, WIDE)
-        o = acc / l[:, None]
+                               d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, WIDE,
+                               LCOLS, HEAD_DIM == D_PAD)
+        o = acc / _l_row(l, LCOLS)[:, None]
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
         tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         t_lo = split * split_tiles
         t_hi = tl.minimum(t_lo + split_tiles, n_tiles)
         m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                                 d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, WIDE)
+                                 d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, WIDE,
+                                 LCOLS, HEAD_DIM == D_PAD)
         keep = row_ok & ((rows * 0 + t_lo) < t_hi)
         # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
         w0 = (tl.load(tok_ws_ptr + tok, mask=row_ok, other=0).to(tl.int64) * q_heads + head) * max_splits
         w = w0 + split
         tl.store(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
         tl.store(ws_ml_ptr + w * 2, m, mask=keep)
-        tl.store(ws_ml_ptr + w * 2 + 1, l, mask=keep)
+        tl.store(ws_ml_ptr + w * 2 + 1, _l_row(l, LCOLS), mask=keep)
 
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
@@ -1420,6 +1461,7 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merg
             out.stride(0), out.stride(1),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=g.q_tile, BLOCK_N=plan.config.block_n, CACHE_BLOCK=bs,
             HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, WIDE=g is plan.tiles,
+            LCOLS=0 if INTERPRET or q.dtype == torch.float32 or g is plan.tiles else ROW_SUM_COLUMNS,
             num_warps=g.num_warps, num_stages=g.num_stages)
     if merging:
         d_blk = min(d_pad, MERGE_COLUMNS)
