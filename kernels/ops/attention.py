@@ -715,11 +715,15 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
         rs = tl.dot(pb, tl.full((BLOCK_N, 16), 1.0, v.dtype))  # ROW_SUM_COLUMNS of equal row sums
         if not LCOLS:
             rs = tl.max(rs, 1)
-    if LCOLS:
-        l = l * alpha[:, None] + rs
-    else:
+    if UPCAST:
         l = l * alpha + rs
-    acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + pv
+    else:  # explicit FMAs: the row form and the column form must not be contracted differently
+        if LCOLS:
+            l = tl.fma(l, alpha[:, None], rs)
+        else:
+            l = tl.fma(l, alpha, rs)
+        acc = tl.fma(acc, alpha[:, None], pv)
     return m_new, l, acc
 
 
@@ -808,8 +812,9 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
     running state, which starts empty, in split order (``_serial_step``).
 
     Two loop shapes, the same operations on the kept values, so the same bits.  ``WIDE`` (the
-    64-row programs of multi-token steps): the tiles below the diagonal without masks, the
-    diagonal tile in a loop of its own, and the fold under a branch taken when a split closes;
+    64-row programs of multi-token steps): the tiles below the diagonal without masks and the
+    fold under a branch taken when a split closes, then the diagonal tile in a loop of its own
+    and the last split's fold after it (every row has keys: no padding tiles here);
     otherwise (16-row decode programs) one loop masking every tile, the fold computed at every
     tile and kept by selects.  On the H200 each shape is the faster one for its programs
     (prefill 4k: 599 vs 873 us before either change; decode 64 x 8k: 489 vs 513 us with the
@@ -826,10 +831,12 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
                                                       acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, True, LCOLS, EVEN_D)
-        for t in range(tl.maximum(n_tiles - 1, 0), n_tiles):  # the diagonal tile (none in a padding tile)
-            m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
-                                                      kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, True, LCOLS, EVEN_D)
+        for t in range(tl.maximum(n_tiles - 1, 0), n_tiles):  # the diagonal tile, which closes the last split
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
+                             True, EVEN_D)
+            m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, True,
+                                           LCOLS)
+        m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS, not UPCAST, LCOLS)
     else:
         for t in range(0, n_tiles):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
