@@ -718,13 +718,12 @@ def _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, RO
     if UPCAST:
         l = l * alpha + rs
         acc = acc * alpha[:, None] + pv
-    else:  # FMAs: the row form and the column form must not be contracted differently
-        if LCOLS:  # 16-row programs: the compiler contracts the accumulator's update itself
+    else:  # an explicit FMA: the row form and the column form must not be contracted differently
+        if LCOLS:
             l = tl.fma(l, alpha[:, None], rs)
-            acc = acc * alpha[:, None] + pv
-        else:  # 64-row programs: written out (faster there; the same FMA)
+        else:
             l = tl.fma(l, alpha, rs)
-            acc = tl.fma(acc, alpha[:, None], pv)
+        acc = acc * alpha[:, None] + pv  # one form in every program
     return m_new, l, acc
 
 
