@@ -87,7 +87,8 @@ BATCH_SIZES = (1, 9, 33, 129)
 MAX_MODEL_LEN = 2048
 #: Seconds a worker needs at least (process start, vLLM import, engine init, one experiment): a
 #: job with less left is skipped rather than started.  The measured first ``LLM(...)`` with
-#: torch.compile and CUDA graphs took 47-59 s; kit mode runs eagerly (no compile, no capture).
+#: torch.compile and CUDA graphs took 47-59 s (every mode, kit mode included, unless ``--kit-eager``);
+#: an eager engine (``enforce_eager=True``: no compile, no capture) starts sooner.
 MIN_JOB_S = {"compiled": 70.0, "eager": 45.0}
 #: Rough seconds each experiment needs once the engine is up (the worker skips one when less is
 #: left before its deadline).
