@@ -358,3 +358,123 @@ def test_gpu_invariant_rows_and_configs(dtype):
 def test_gpu_variant_fails():
     f, make = _op("mm", torch.float32, impl="variant", n=1024, k=4096)
     assert not check_invariance(f, make, MS, stop_at_first=True).passed
+
+
+# ---------------------------------------------------------------------------------------------
+# trial configs (measured by a refit sweep, not shipped): the same K order, the same bits
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_trial_configs_give_the_shipped_bits_for_every_m(dtype):
+    """Each trial config, as mm and as linear, over a K summed in one loop and a long K (cut
+    into the fixed chunks): rows 0..M-1 equal the default's rows of the largest batch, bitwise,
+    for every M.  So a refit may ship any of them without touching a bit."""
+    assert MM.TRIAL_CONFIGS and not {c.name for c in MM.TRIAL_CONFIGS} & {c.name for c in MM.CONFIGS}
+    long_k = 3 * MM.k_chunk(10 ** 6, dtype) + 8  # three full chunks and a partial one
+    ms = [1, 3, 17, 65, 129]
+    bad = []
+    for k in (K, long_k):
+        b, bias = _weights(dtype, k=k)
+        w = b.t().contiguous()
+        a = row_maker(k, dtype=dtype)(max(ms))
+        full, full_lin = MM.mm(a, b), MM.linear(a, w, bias)
+        for cfg in MM.TRIAL_CONFIGS:
+            for m in ms:
+                if not bitwise_equal(MM.mm(a[:m], b, config=cfg.name), full[:m]):
+                    bad.append(("mm", k, cfg.name, m))
+                if not bitwise_equal(MM.linear(a[:m], w, bias, config=cfg), full_lin[:m]):
+                    bad.append(("linear", k, cfg.name, m))
+    assert not bad, f"trial configs whose bits differ from the default: {bad}"
+
+
+def test_trial_configs_are_weighed_only_when_asked():
+    """select_config never picks a trial config (it has no coefficients); rank_configs weighs
+    them when given them with a model that has coefficients for them (a refit)."""
+    for m in (1, 64, 4096):
+        assert MM.select_config(m, 5120, 5120) in MM.CONFIGS
+    coef = dict(MM.COST_MODEL.coef, **{c.name: (0.001, 9000.0) for c in MM.TRIAL_CONFIGS})
+    model = MM.CostModel(MM.COST_MODEL.launch_us, coef, MM.COST_MODEL.sms)
+    ranked = MM.rank_configs(256, 5120, 5120, sms=132, compiled=True, model=model,
+                             configs=MM.CONFIGS + MM.TRIAL_CONFIGS)
+    assert ranked[0][1] in MM.TRIAL_CONFIGS
+    info = MM.launch_info(1, N, 3 * MM.k_chunk(10 ** 6, torch.bfloat16), torch.bfloat16, config="t16n32c")
+    assert info["chunk_programs"] == 3 and info["split_k"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# one home for the K order; the launch record; the planted fault switch
+# ---------------------------------------------------------------------------------------------
+
+def test_the_k_order_has_one_home():
+    """matmul and moe take the K order from ops.k_order (matmul re-exports its names), reach
+    no private name of each other, and the ops import nothing from verify."""
+    import inspect
+
+    from batch_invariance_kit.ops import k_order, moe
+
+    assert MM.block_k is k_order.block_k and MM.k_chunk is k_order.k_chunk
+    assert MM.k_chunk_blocks is k_order.k_chunk_blocks and MM.LONG_K is k_order.LONG_K
+    for mod in (MM, moe, k_order):
+        src = inspect.getsource(mod)
+        assert "from ..verify" not in src and "import verify" not in src, mod.__name__
+    assert "MM._" not in inspect.getsource(moe)
+    assert "ptr_step(" in inspect.getsource(moe._grouped_gemm_kernel.fn)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_launch_takes_a_product_record(bias):
+    """MM.launch with a k_order.Product (sizes and element strides) gives linear's bits."""
+    from batch_invariance_kit.ops.k_order import Product
+
+    b, bvec = _weights(torch.float32)
+    w = b.t().contiguous()
+    x = row_maker(K, dtype=torch.float32)(17)
+    bvec = bvec if bias else None
+    out = torch.empty((17, N), device=DEV)
+    p = Product.linear(x, w, out, bvec)
+    assert p == Product(1, 17, N, K, (0, K, 1), (0, 1, K), (0, N, 1), (0, 1) if bias else (0, 0))
+    for impl in ("invariant", "variant"):
+        MM.launch(x, w, out, bvec, p, impl=impl)
+        assert bitwise_equal(out, MM.linear(x, w, bvec, impl=impl)), impl
+
+
+def test_planted_variant_is_a_switch_that_verify_registers():
+    """plant_variant(True) makes invariant launches run the split-K twin (so the harness must
+    catch them); verify.planted.register switches it by op name; off again, the bits are back."""
+    from batch_invariance_kit.verify import planted
+
+    b, _ = _weights(torch.float32)
+    a = row_maker(K, dtype=torch.float32)(3)
+    inv, var = MM.mm(a, b), MM.mm(a, b, impl="variant")
+    assert not bitwise_equal(inv, var)
+    try:
+        assert planted.register(["matmul", "no_such_op"]) == ["matmul"]
+        assert bitwise_equal(MM.mm(a, b), var)
+    finally:
+        MM.plant_variant(False)
+    assert bitwise_equal(MM.mm(a, b), inv)
+    with pytest.raises(TypeError, match="on"):
+        MM.plant_variant("yes")
+
+
+def test_refit_fits_shipped_and_trial_configs_and_reports_goals(capsys):
+    """The refit of stored sweeps (CPU: reads JSON): a trial config timed in the sweep is fit
+    and weighed beside the shipped ones; the leave-one-shape-out rows and the goals over the
+    shapes named as unseen come back; the command prints a COST_MODEL literal."""
+    import json
+
+    from batch_invariance_kit.bench import matmul as BM
+    from batch_invariance_kit.report.results import RESULTS
+
+    doc = json.loads((RESULTS / "h200" / BM.FIT_SOURCES[0]).read_text())
+    trial = MM.TRIAL_CONFIGS[0].name  # rows of "mid" under a trial's name: the plumbing, not a measurement
+    doc["rows"] += [dict(r, impl=f"kit-invariant:{trial}") for r in doc["rows"] if r["impl"] == "kit-invariant:mid"]
+    shapes = sorted({(r["N"], r["K"]) for r in doc["rows"]})
+    out = BM.refit([doc], new_shapes=shapes[:1])
+    assert trial in out["configs"] and trial in out["model"].coef
+    assert {(r["N"], r["K"]) for r in out["loso"]} == set(shapes)
+    assert out["goals"] and all(g["goal"] and g["cells"] > 0 for g in out["goals"])
+    path = RESULTS / "h200" / BM.FIT_SOURCES[0]
+    assert BM._refit_main([str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("COST_MODEL = CostModel(") and "trial configs fastest in some cell" in printed

@@ -493,3 +493,44 @@ def test_gpu_invariant_and_variant_bf16():
     assert report.passed, report.summary()
     var = lambda x: moe.fused_moe(x, rw, w13, w2, k, impl="variant")  # noqa: E731
     assert not check_invariance(var, make, sizes, stop_at_first=True).passed
+
+
+# ---------------------------------------------------------------------------------------------
+# the comparison with vLLM's fused_moe: its stored results, its cost rows and chapter 5's figure
+# ---------------------------------------------------------------------------------------------
+
+def _store_vs_vllm(folder):
+    """A moe_vs_vllm.json of made-up times (the file's shape, not a measurement)."""
+    from batch_invariance_kit.bench.moe import MODELS, VLLM_IMPL
+    from batch_invariance_kit.report import results
+
+    rows = []
+    for model, spec in MODELS.items():
+        for n, (kit, vllm) in zip((1, 64, 4096), ((50.0, 40.0), (80.0, 80.0), (900.0, 1000.0))):
+            for impl, us in (("kit-invariant", kit), (VLLM_IMPL, vllm)):
+                rows.append({"op": "moe", "impl": impl, "model": model, "tokens": n, "experts": spec["experts"],
+                             "top_k": spec["top_k"], "median_us": us})
+    results.save("moe_vs_vllm", rows, [results.goal("moe example", False)], command="test", folder=folder)
+
+
+def test_vs_vllm_rows_read_as_a_cost_family_and_plot(tmp_path, capsys):
+    """The stored comparison becomes the "moe vs vLLM" family of the cost summary (speed ratio =
+    vLLM's time / the kit's, the goal checked over it), and chapter 5's figure draws it; with no
+    stored file the figure function prints its fixed message and returns None."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from batch_invariance_kit.report import cost, plots
+
+    (tmp_path / "none").mkdir()
+    assert plots.moe_vs_vllm("none", root=tmp_path) is None
+    assert capsys.readouterr().out.strip() == plots.NO_MOE_VS_VLLM
+    _store_vs_vllm(tmp_path / "gpu")
+    rows = [r for r in cost.summary("gpu", root=tmp_path) if r["family"] == "moe vs vLLM"]
+    assert len(rows) == 6 and {r["peer"] for r in rows} == {"vllm-fused_moe"}
+    ratio = {(r["params"]["model"], r["params"]["tokens"]): r["speed_ratio"] for r in rows}
+    assert ratio[("Qwen3-30B-A3B", 1)] == pytest.approx(0.8) and ratio[("DeepSeek-V2-Lite", 4096)] == pytest.approx(1000 / 900)
+    goal = [g for g in cost.check_goals(rows) if g["family"] == "moe vs vLLM"]
+    assert goal and goal[0]["cells"] == 6 and goal[0]["cells_met"] == 4 and not goal[0]["met"]
+    fig = plots.moe_vs_vllm("gpu", root=tmp_path)
+    assert fig is not None and len(fig.axes) == 2

@@ -6,6 +6,9 @@ against it.  Each function returns ``(rows, checks)`` in the shape of
 * :func:`invariance_map`: ``torch.mm`` / ``bmm`` / ``F.linear`` under three cuBLAS set-ups;
 * :func:`sweep`: eight (N, K) shapes, the configs' bits, the cost model's pick and its
   runners-up timed beside cuBLAS (:func:`config_sweep`);
+* :func:`refit_sweep`: every config, shipped and trial, at the stored and the new shapes
+  (:data:`REFIT_GROUPS`, one part each), M = 1 ... 8192; :func:`refit` fits the model to them and
+  checks it leave-one-shape-out (``python -m batch_invariance_kit.bench.matmul FILE ...``);
 * :func:`fit_cost_model`: the coefficients of :func:`batch_invariance_kit.ops.matmul.predict_us`
   from such a sweep; :func:`leave_one_shape_out`: how well the model picks on a shape it was
   not fit on;
@@ -13,6 +16,7 @@ against it.  Each function returns ``(rows, checks)`` in the shape of
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -103,6 +107,109 @@ def sweep(quick: bool, save=None) -> tuple:
 
 
 # --------------------------------------------------------------------------------------------
+# The refit sweep: every config (shipped and trial) at the stored shapes and at new ones
+# --------------------------------------------------------------------------------------------
+
+#: (N, K, where from) the shipped fit never saw (5120 x 5120 is also one of :data:`SHAPES`)
+NEW_SHAPES = [
+    (5120, 5120, "Qwen2.5-14B o_proj (hidden 5120)"),
+    (5120, 13824, "Qwen2.5-14B down_proj (intermediate 13824, long K)"),
+    (7168, 2048, "hidden 2048 -> 7168 (a 7168-wide up projection)"),
+    (2048, 7168, "hidden 7168 -> 2048 (its down projection)"),
+    (3584, 18944, "Qwen2-7B down_proj (hidden 3584, intermediate 18944, long K)"),
+]
+#: The Ms of the refit: decode batches to long prefills
+REFIT_MS = [1, 8, 16, 64, 256, 1024, 2048, 4096, 8192]
+QUICK_REFIT_MS = [1, 16, 256, 4096]
+#: The refit's shapes in groups, one validation part each (each under 10 minutes on an H200)
+REFIT_GROUPS = {
+    "new_a": [(5120, 5120), (5120, 13824), (3584, 18944)],
+    "new_b": [(7168, 2048), (2048, 7168)],
+    "stored_a": [(4096, 4096), (12288, 4096), (4096, 12288)],
+    "stored_b": [(151936, 4096), (28672, 4096), (5120, 32768), (7168, 18432)],
+}
+
+
+def refit_sweep(group: str, quick: bool, save=None) -> tuple:
+    """:func:`config_sweep` of one group of :data:`REFIT_GROUPS` for a refit of the cost model:
+    every shipped config (:data:`batch_invariance_kit.ops.matmul.CONFIGS`) and every trial
+    config (:data:`batch_invariance_kit.ops.matmul.TRIAL_CONFIGS`) timed and checked bitwise
+    against the pick in every cell, beside the split-K variant and cuBLAS, bf16, M = 1 ... 8192
+    (``quick``: four Ms, the first shape of the group).  :func:`refit` fits the model to the
+    stored groups and checks it leave-one-shape-out."""
+    if group not in REFIT_GROUPS:
+        raise ValueError(f"group must be one of {sorted(REFIT_GROUPS)}, got {group!r}")
+    shapes = REFIT_GROUPS[group][:1] if quick else REFIT_GROUPS[group]
+    return config_sweep(shapes, QUICK_REFIT_MS if quick else REFIT_MS, torch.bfloat16, reps=20,
+                        top=len(MM.CONFIGS), deadline_s=None if quick else 500.0, save=save,
+                        extra=MM.TRIAL_CONFIGS)
+
+
+#: One validation part per group (``matmul_refit_<group>``): functions of ``(quick, save=None)``
+refit_new_a, refit_new_b, refit_stored_a, refit_stored_b = (functools.partial(refit_sweep, g) for g in REFIT_GROUPS)
+
+
+def refit(docs, *, new_shapes=None, goal: float = 0.95, bar: float = 0.9) -> dict:
+    """Fit the cost model to stored refit sweeps (``docs``: documents of
+    :func:`refit_sweep`'s parts) over every config timed in all of them (shipped and trial)
+    and check it leave-one-shape-out: each shape's picks come from a model fit on the others.
+    Returns ``{"model", "configs", "loso", "goals"}``: the fitted
+    :class:`batch_invariance_kit.ops.matmul.CostModel`, the configs fitted, the rows of
+    :func:`leave_one_shape_out` and, per M range (M <= 16, M >= 64), the worst cuBLAS / pick
+    ratio over the cells of ``new_shapes`` (default :data:`NEW_SHAPES`) against the goal
+    (0.95) and the bar (0.9).  Goals: reported, never a failure."""
+    docs = list(docs)
+    if not docs:
+        raise ValueError("docs must hold at least one stored refit sweep")
+    doc = {"provenance": docs[-1]["provenance"], "rows": [r for d in docs for r in d["rows"]]}
+    cells = _kit_times(doc["rows"])
+    timed = {name for cell in cells.values() for name in cell}
+    configs = [c for c in MM.CONFIGS + MM.TRIAL_CONFIGS if c.name in timed]
+    model = fit_cost_model(doc, configs=configs)
+    loso = leave_one_shape_out(doc, configs=configs)
+    unseen = {(n, k) for n, k, *_ in (NEW_SHAPES if new_shapes is None else new_shapes)}
+    goals = []
+    for label, scope in (("M <= 16", lambda m: m <= 16), ("M >= 64", lambda m: m >= 64)):
+        vals = [(r["cublas_over_pick"], r) for r in loso
+                if (r["N"], r["K"]) in unseen and scope(r["M"]) and r["cublas_over_pick"] is not None]
+        if not vals:
+            continue
+        worst, row = min(vals, key=lambda v: v[0])
+        goals.append({"name": f"matmul {label}, shapes the fit never saw: every cell >= {goal} of cuBLAS "
+                              f"(bar {bar})", "passed": worst >= goal, "goal": True, "bar_met": worst >= bar,
+                      "worst": worst, "worst_cell": {"N": row["N"], "K": row["K"], "M": row["M"]},
+                      "cells": len(vals), "cells_met": sum(v >= goal for v, _ in vals)})
+    return {"model": model, "configs": [c.name for c in configs], "loso": loso, "goals": goals}
+
+
+def _refit_main(argv=None) -> int:
+    """``python -m batch_invariance_kit.bench.matmul FILE ...``: :func:`refit` of stored refit
+    sweeps; prints the fitted model (a literal to paste as ``COST_MODEL``), the trial configs
+    it would ship (fastest in some cell), the leave-one-shape-out table and the goals."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m batch_invariance_kit.bench.matmul", description=_refit_main.__doc__)
+    ap.add_argument("files", nargs="+", help="stored refit sweeps (matmul_refit_*.json)")
+    a = ap.parse_args(argv)
+    out = refit([json.loads(Path(f).read_text()) for f in a.files])
+    m = out["model"]
+    print(f"COST_MODEL = CostModel(launch_us={m.launch_us}, sms={m.sms}, coef={{")
+    for name in out["configs"]:
+        print(f"    {name!r}: {m.coef[name]},")
+    print("})")
+    wins = sorted({r["best"] for r in out["loso"]} & {c.name for c in MM.TRIAL_CONFIGS})
+    print(f"trial configs fastest in some cell: {wins or 'none'}")
+    print(f"{'N':>7} {'K':>6} {'M':>5}  {'pick':<13} {'best':<13} pick/best  cuBLAS/pick")
+    for r in out["loso"]:
+        cb = f"{r['cublas_over_pick']:.2f}" if r["cublas_over_pick"] is not None else "-"
+        print(f"{r['N']:>7} {r['K']:>6} {r['M']:>5}  {r['pick']:<13} {r['best']:<13} {r['pick_over_best']:9.2f}  {cb:>11}")
+    for g in out["goals"]:
+        print(f"goal {'met' if g['passed'] else 'NOT met'} (bar {'met' if g['bar_met'] else 'NOT met'}): {g['name']}; "
+              f"{g['cells_met']} of {g['cells']} cells, worst {g['worst']:.2f} at {g['worst_cell']}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # The cost model's fit and its leave-one-shape-out check (CPU: reads a stored sweep)
 # --------------------------------------------------------------------------------------------
 
@@ -135,7 +242,7 @@ def _sweep_sms(doc: dict) -> int:
     return int(doc.get("provenance", {}).get("sm_count") or MM.COST_MODEL.sms)
 
 
-def fit_cost_model(doc: dict, *, shapes=None) -> "MM.CostModel":
+def fit_cost_model(doc: dict, *, shapes=None, configs=None) -> "MM.CostModel":
     """Fit :class:`batch_invariance_kit.ops.matmul.CostModel` to a stored matmul sweep (``doc``:
     ``{"provenance", "rows"}``; bf16 rows; ``shapes``: the (N, K) to fit on, None for all).
 
@@ -144,7 +251,8 @@ def fit_cost_model(doc: dict, *, shapes=None) -> "MM.CostModel":
     bandwidth ``G_c`` and a time per K step ``S_c`` per config.  The fit minimises the squared
     log error over every timed (config, cell), by exhaustive search over fixed grids
     (:data:`FIT_LAUNCH_US`, :data:`FIT_GBS`, :data:`FIT_US_PER_STEP`): deterministic, no
-    starting point.  ``steps`` use the sweep's SM count (its provenance)."""
+    starting point.  ``steps`` use the sweep's SM count (its provenance).  ``configs``: the
+    configs to fit (default :data:`batch_invariance_kit.ops.matmul.CONFIGS`; each needs timed cells)."""
     if not isinstance(doc, dict) or "rows" not in doc:
         raise ValueError("doc must be a stored sweep: a dict with 'rows' (and 'provenance')")
     sms = _sweep_sms(doc)
@@ -155,7 +263,7 @@ def fit_cost_model(doc: dict, *, shapes=None) -> "MM.CostModel":
     if not cells:
         raise ValueError("doc has no bf16 mm rows of the invariant configs" + (" at shapes" if shapes else ""))
     terms = {}  # config -> arrays over its timed cells
-    for c in MM.CONFIGS:
+    for c in (MM.CONFIGS if configs is None else configs):
         t = [(MM.cost_terms(c, m, n, k, torch.bfloat16, sms=sms, compiled=True), cell[c.name])
              for (n, k, m), cell in sorted(cells.items()) if c.name in cell]
         if not t:
@@ -193,25 +301,27 @@ def fit_doc(root=None) -> dict:
     return {"provenance": docs[-1]["provenance"], "rows": [r for d in docs for r in d["rows"]]}
 
 
-def leave_one_shape_out(doc: dict, *, model_for=None) -> list:
+def leave_one_shape_out(doc: dict, *, model_for=None, configs=None) -> list:
     """For each (N, K) of the sweep ``doc``: fit the cost model on the other shapes
     (:func:`fit_cost_model`), pick a config at each of its Ms and compare with the measured
     times.  One row per (N, K, M): ``pick`` (the model's fastest among the configs the sweep
     timed there), ``pick_untimed`` (its fastest of all, when the sweep did not time it),
     ``best`` (the fastest timed config), ``pick_over_best`` (time ratio, >= 1) and
     ``cublas_over_pick`` (cuBLAS's time / the pick's: >= 1 means the kit is as fast).
-    ``model_for(shapes) -> CostModel`` replaces the fit (e.g. the shipped model)."""
+    ``model_for(shapes) -> CostModel`` replaces the fit (e.g. the shipped model); ``configs``:
+    the configs fit and weighed (default :data:`batch_invariance_kit.ops.matmul.CONFIGS`)."""
     cells = _kit_times(doc["rows"])
     sms = _sweep_sms(doc)
     shapes = sorted({k[:2] for k in cells})
     out = []
     for shape in shapes:
         train = [s for s in shapes if s != shape]
-        model = fit_cost_model(doc, shapes=train) if model_for is None else model_for(train)
+        model = fit_cost_model(doc, shapes=train, configs=configs) if model_for is None else model_for(train)
         for (n, k, m), cell in sorted(cells.items()):
             if (n, k) != shape:
                 continue
-            ranked = MM.rank_configs(m, n, k, torch.bfloat16, sms=sms, compiled=True, model=model)
+            ranked = MM.rank_configs(m, n, k, torch.bfloat16, sms=sms, compiled=True, model=model,
+                                     configs=None if configs is None else [c for c in configs if c.name in model.coef])
             timed = [c for _, c in ranked if c.name in cell]
             if not timed:
                 continue
@@ -244,7 +354,7 @@ def cpu_invariance(quick: bool) -> tuple:
 
 
 def config_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: bool = True, rotate: bool = True,
-                 top: int = 4, deadline_s: float | None = None, save=None) -> tuple:
+                 top: int = 4, deadline_s: float | None = None, save=None, extra=()) -> tuple:
     """On a CUDA GPU: for each ``(N, K)`` in ``shapes`` and each ``M`` in ``Ms``
 
     (a) checks that the configs it times give the bits of the default call (the cost model's
@@ -258,6 +368,8 @@ def config_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: boo
         :func:`batch_invariance_kit.bench.timing.median_us` (``graph``: CUDA-graph replays, the
         same for all; ``rotate``: enough copies of the operands to exceed L2, so weights are
         read from HBM).  Past ``deadline_s`` seconds only the pick is timed beside the peers.
+        ``extra``: configs outside the model (:data:`batch_invariance_kit.ops.matmul.TRIAL_CONFIGS`)
+        timed and checked bitwise in every cell (before the deadline), ranked after the model's.
 
     Each kit row carries ``pick`` (the model's pick in that cell), ``rank`` and ``predicted_us``;
     the pick's row also ``selected``, ``cublas_over_pick`` (cuBLAS's time / the pick's) and
@@ -299,6 +411,8 @@ def config_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: boo
             if over:
                 late.append([N, K, M])
             timed_cfgs = [(rank, us, c) for rank, (us, c) in enumerate(ranked[:1 if over else top])]
+            if not over:
+                timed_cfgs += [(len(ranked) + i, None, c) for i, c in enumerate(extra)]
             checked = [c for _, _, c in timed_cfgs] + ([c for c in MM.invariant_candidates()
                                                         if c not in [x for _, _, x in timed_cfgs]]
                                                        if M == Ms[-1] else [])
@@ -368,3 +482,9 @@ def _late_check(late, deadline_s) -> list:
         return []
     return [{"name": f"every cell timed the model's runners-up (cells past the {deadline_s:.0f} s budget "
                      "timed the pick only)", "passed": not late, "informational": True, "late_cells": late}]
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_refit_main())

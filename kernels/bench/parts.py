@@ -5,7 +5,9 @@ A part is a function ``run(quick) -> (rows, checks)`` in the shape of
 ``<name>.json`` (the stored H200 results in ``results/h200`` are such files).  ``device`` says
 where a part runs: ``"cuda"`` parts need a CUDA GPU; ``"cpu"`` parts are what a machine
 without one checks by default (the Triton interpreter, the CUDA kernels through the emulator)
-and run anywhere.  ``incremental`` parts also take ``save=`` (a callback that stores the rows
+and run anywhere.  A part's speed comparisons are goals
+(:func:`batch_invariance_kit.report.results.goal`): reported, never a failure.
+``incremental`` parts also take ``save=`` (a callback that stores the rows
 done so far, so that a part cut by a time limit keeps them).
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ class Part:
     #: one line for ``--list``
     what: str
     incremental: bool = False
+    #: run by the validation command without ``--only`` (False: a measurement for a refit, by name only)
+    default: bool = True
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -51,6 +55,8 @@ _PARTS = [
          "chapter 3: 255 vs 300 tokens, 16 seeds, every op, backend, dtype and impl"),
     Part("rms_norm_flips", "rms_norm:flips", "cuda", "chapter 3: rows differing from the row alone vs batch size"),
     Part("rms_norm_bench", "rms_norm:bench", "cuda", "chapter 3: the RMSNorm family vs torch.compile, bf16, hidden 4096"),
+    Part("rms_norm_hidden_sizes", "rms_norm:bench_hidden_sizes", "cuda",
+         "chapter 3: the RMSNorm family vs torch.compile at hidden 2048, 5120, 7168, 8192", incremental=True),
     Part("rms_norm_tune_warps", "rms_norm:tune_warps", "cuda",
          "chapter 3: the warp-count sweep behind the invariant kernel's warps at hidden 4096"),
     Part("invariance_map", "matmul:invariance_map", "cuda",
@@ -58,9 +64,23 @@ _PARTS = [
     Part("matmul_sweep", "matmul:sweep", "cuda",
          "chapter 4: eight (N, K) shapes: the cost model's pick and runners-up, bits and time beside cuBLAS",
          incremental=True),
+    Part("matmul_refit_new_a", "matmul:refit_new_a", "cuda",
+         "chapter 4: every config (shipped and trial) at 5120x5120, 5120x13824, 3584x18944, M 1-8192",
+         incremental=True, default=False),
+    Part("matmul_refit_new_b", "matmul:refit_new_b", "cuda",
+         "chapter 4: every config (shipped and trial) at 7168x2048, 2048x7168, M 1-8192", incremental=True,
+         default=False),
+    Part("matmul_refit_stored_a", "matmul:refit_stored_a", "cuda",
+         "chapter 4: every config (shipped and trial) at three hidden-4096 shapes, M 1-8192", incremental=True,
+         default=False),
+    Part("matmul_refit_stored_b", "matmul:refit_stored_b", "cuda",
+         "chapter 4: every config (shipped and trial) at four large stored shapes, M 1-8192", incremental=True,
+         default=False),
     Part("moe_invariance", "moe:invariance", "cuda", "chapter 5: a token alone vs in batches of 1..8192 tokens"),
     Part("moe_loads", "moe:loads", "cuda", "chapter 5: tokens per expert vs batch size"),
     Part("moe_bench", "moe:bench", "cuda", "chapter 5: invariant vs tuned variant fused MoE"),
+    Part("moe_vs_vllm", "moe:vs_vllm", "cuda",
+         "chapter 5: invariant MoE vs vLLM's default Triton fused_moe (Qwen3-30B-A3B, DeepSeek-V2-Lite)"),
     Part("attention_consistency", "attention:consistency", "cuda",
          "chapter 6: attention properties (a)-(d) at production head shapes"),
     Part("attention_bench", "attention:bench", "cuda", "chapter 6: decode and prefill vs SDPA and FlashAttention-3"),
@@ -84,6 +104,6 @@ def runnable(name: str, has_cuda: bool) -> bool:
 
 def default_parts(has_cuda: bool) -> list:
     """What the validation command runs without ``--only``: the CUDA parts on a GPU, the CPU
-    parts on a machine without one."""
+    parts on a machine without one (parts with ``default=False`` only by name)."""
     want = "cuda" if has_cuda else "cpu"
-    return [n for n, p in PARTS.items() if p.device == want]
+    return [n for n, p in PARTS.items() if p.device == want and p.default]

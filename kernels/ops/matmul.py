@@ -9,7 +9,9 @@ Public ops (each takes ``impl=``, ``out=`` and ``config=``):
 
 ``impl``:
 
-* ``"invariant"`` (default): every output element is reduced over K in ONE order whatever M is:
+* ``"invariant"`` (default): every output element is reduced over K in ONE order whatever M is,
+  the order of :mod:`batch_invariance_kit.ops.k_order` (shared with the MoE grouped GEMM; its
+  ``block_k``, ``k_chunk`` and ``k_chunk_blocks`` are re-exported here):
   no split-K chosen from the shape, ``BLOCK_K`` a function of the dtype only (:func:`block_k`),
   ``acc = tl.dot(a, b, acc)`` with fp32 accumulation (fp32 inputs: ``input_precision="ieee"``,
   so TF32 never enters), K from 0 upward.  Up to ``K = 4096`` that is one loop over K.  A
@@ -71,7 +73,7 @@ import torch
 
 from .. import checks
 from ..device import INTERPRET, sm_count
-from ..verify.planted import planted
+from .k_order import LONG_K, Product, block_k, k_chunk, k_chunk_blocks, launch_chunk_reduce, ptr_step
 
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
@@ -80,6 +82,7 @@ __all__ = [
     "IMPLS",
     "MMConfig",
     "CONFIGS",
+    "TRIAL_CONFIGS",
     "CostModel",
     "COST_MODEL",
     "cost_terms",
@@ -92,6 +95,8 @@ __all__ = [
     "invariant_candidates",
     "variant_split_k",
     "launch_info",
+    "launch",
+    "plant_variant",
     "mm",
     "addmm",
     "linear",
@@ -155,7 +160,28 @@ CONFIGS = [
     MMConfig("wide_tma", 128, 256, num_warps=8, num_stages=4, group_m=8, tma=True),
     MMConfig("wide_tma_ws", 128, 256, num_warps=8, num_stages=3, group_m=8, tma=True, warp_spec=True),
 ]
-_BY_NAME = {c.name: c for c in CONFIGS}
+
+#: Configs to measure, not shipped: tiles and schedules a GPU sweep times beside :data:`CONFIGS`
+#: for a refit of the cost model (:func:`batch_invariance_kit.bench.matmul.refit_sweep`).  Each
+#: changes only which program computes an output tile (the tile shape, the grid order, the
+#: programs along a long K's fixed chunks), never the K order of :mod:`.k_order`, so each gives the
+#: bits of every shipped config (tests under the interpreter; the sweep checks each on the GPU).
+#: :func:`select_config` never picks one (it has no coefficients until a sweep fits it); a refit
+#: that finds one fastest somewhere moves it into :data:`CONFIGS` with its fitted coefficients.
+#: (No 128 x 128 tile with two resident programs per SM: with 4 warps the sm_90 compile spills
+#: 100-140 registers; with 8 it needs about 145 registers a thread, one program's worth of an SM.)
+TRIAL_CONFIGS = [
+    # narrower N tiles: more programs for 5120-wide outputs at mid M
+    MMConfig("m128n64_tma", 128, 64, num_warps=4, num_stages=4, group_m=8, tma=True),
+    MMConfig("m64n64_tma", 64, 64, num_warps=4, num_stages=6, group_m=8, tma=True),
+    # persistent grids: one program per SM walks the tiles in the fixed grouped order
+    MMConfig("large_tma_p", 128, 128, num_warps=8, num_stages=4, group_m=8, persistent=True, tma=True),
+    MMConfig("mid_tma_p", 64, 128, num_warps=4, num_stages=6, group_m=8, persistent=True, tma=True),
+    # thin M, long K: narrow tiles times the fixed chunks, for more programs than SMs
+    MMConfig("t16n32c", 16, 32, num_warps=2, num_stages=8, group_m=1, split_chunks=True),
+    MMConfig("t64n32c", 64, 32, num_warps=4, num_stages=8, group_m=1, split_chunks=True),
+]
+_BY_NAME = {c.name: c for c in CONFIGS + TRIAL_CONFIGS}
 
 class CostModel(NamedTuple):
     """Coefficients of :func:`predict_us`, fit by
@@ -188,45 +214,6 @@ COST_MODEL = CostModel(launch_us=2.5, sms=132, coef={
     "wide_tma": (0.7983, 2400.0),
     "wide_tma_ws": (0.772, 2400.0),
 })
-
-
-def block_k(dtype: torch.dtype) -> int:
-    """The K step of every kit matmul: 64 for 16-bit inputs, 32 for fp32.  A function of the
-    dtype only, so that the K summation order never depends on M (or on the config)."""
-    if dtype in (torch.float16, torch.bfloat16):
-        return 64
-    if dtype == torch.float32:
-        return 32
-    raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-
-
-#: (longest K summed in one loop, chunk length of a longer K): compiled, and under the
-#: interpreter (small, so that the tests' K crosses both)
-LONG_K = {False: (4096, 2048), True: (128, 64)}
-
-
-def k_chunk(K: int, dtype: torch.dtype, *, compiled: bool | None = None) -> int:
-    """Keys per K chunk of the invariant order for a reduction of length ``K``: ``K`` itself
-    (one chunk, one loop) up to 4096, else 2048 (64 and 128 under the interpreter).  Every
-    output element is the in-order sum of its chunks' sums, each chunk summed from zero,
-    BLOCK_K at a time.  A function of K and the dtype only: never of M, so the order never
-    depends on the batch.  Why not chunk every K: on the H200 the chunk loop cost the large
-    tiles up to 10% at K = 4096 and bought thin M most at K = 12288.  ``compiled``:
-    whose rule, the interpreter's (False) or a GPU's (True); ``None``: this process's (pass
-    True to read GPU results on a CPU)."""
-    bk = block_k(dtype)  # a float dtype, or TypeError
-    longest, chunk = LONG_K[INTERPRET if compiled is None else not compiled]
-    assert chunk % bk == 0
-    return K if K <= longest else chunk
-
-
-def k_chunk_blocks(K: int, dtype: torch.dtype, *, compiled: bool | None = None) -> int:
-    """``CHUNK_BLOCKS`` of a kernel that follows the invariant K order: the :func:`block_k`
-    blocks per chunk of :func:`k_chunk` for a long K, 0 for a K summed in one loop.  The
-    matmul's kernels and the MoE grouped GEMM (:mod:`batch_invariance_kit.ops.moe`) both take
-    it from here: one K order for every weight of the kit.  ``compiled``: as in :func:`k_chunk`."""
-    chunk = k_chunk(K, dtype, compiled=compiled)
-    return chunk // block_k(dtype) if chunk < K else 0
 
 
 def _check_select_args(M, N, K, dtype, sms) -> int:
@@ -287,11 +274,12 @@ def _candidates(dtype: torch.dtype) -> list:
 
 
 def rank_configs(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, sms: int | None = None,
-                 compiled: bool | None = None, model: CostModel | None = None) -> list:
-    """``[(predicted us, config), ...]`` of :func:`select_config`'s candidates, fastest first
-    (ties: :data:`CONFIGS` order).  ``sms``: None for this process's GPU (:func:`_default_sms`)."""
+                 compiled: bool | None = None, model: CostModel | None = None, configs=None) -> list:
+    """``[(predicted us, config), ...]`` of :func:`select_config`'s candidates (or of
+    ``configs``, each with coefficients in the model), fastest first (ties: list order).
+    ``sms``: None for this process's GPU (:func:`_default_sms`)."""
     sms = _check_select_args(M, N, K, dtype, sms)
-    cands = _candidates(dtype)
+    cands = _candidates(dtype) if configs is None else list(configs)
     pred = [predict_us(c, max(M, 1), max(N, 1), max(K, 1), dtype, sms=sms, compiled=compiled, model=model)
             for c in cands]
     order = sorted(range(len(cands)), key=lambda i: (pred[i], i))
@@ -413,18 +401,6 @@ def _epilogue(acc, c_ptr, bias_ptr, bid, pid_m, pid_n, M, N, s_cb, s_cm, s_cn, s
 
 
 @triton.jit
-def _ptr_step(a_base, b_base, acc, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K: tl.constexpr,
-              UPCAST: tl.constexpr):
-    """``acc += A[:, kb-th K block] @ B[kb-th K block, :]`` from pointer loads (masked: zeros)."""
-    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = k < K
-    kk = k.to(tl.int64)
-    a = tl.load(a_base + kk[None, :] * s_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-    b = tl.load(b_base + kk[:, None] * s_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-    return dot_acc(a, b, acc, UPCAST)
-
-
-@triton.jit
 def _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, blocks_per_split, M, N, K, n_batch,
           s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_biasm, s_biasn,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -444,20 +420,20 @@ def _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, blocks_per_split, 
     if SPLIT_K == 1 and CHUNK_BLOCKS == 0:  # the whole K in one loop
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, k_blocks):  # upward
-            acc = _ptr_step(a_base, b_base, acc, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K, UPCAST)
+            acc = ptr_step(a_base, b_base, acc, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K, UPCAST)
     elif SPLIT_K == 1:  # a long K: chunk sums from zero, added in chunk order
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for c0 in range(0, k_blocks, CHUNK_BLOCKS):
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kb in range(c0, tl.minimum(c0 + CHUNK_BLOCKS, k_blocks)):  # upward
-                part = _ptr_step(a_base, b_base, part, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K, UPCAST)
+                part = ptr_step(a_base, b_base, part, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K, UPCAST)
             acc += part
     else:  # one K range: one chunk (the invariant's chunk split) or one variant split
         kb_lo = split * blocks_per_split
         kb_hi = tl.minimum(kb_lo + blocks_per_split, k_blocks)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(kb_lo, kb_hi):  # always upward from the range's first block
-            acc = _ptr_step(a_base, b_base, acc, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K, UPCAST)
+            acc = ptr_step(a_base, b_base, acc, kb, K, s_ak, s_bk, mask_m, mask_n, BLOCK_K, UPCAST)
 
     if SPLIT_K == 1:
         _epilogue(acc, c_ptr, bias_ptr, bid, pid_m, pid_n, M, N, s_cb, s_cm, s_cn, s_biasm, s_biasn,
@@ -545,38 +521,6 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, total_tiles, s_cm, 
                   BLOCK_M, BLOCK_N, HAS_BIAS)
 
 
-@triton.jit
-def _sum_splits(ws, split_stride, mask, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(p_0 + p_1) + ...`` in fp32, from zero in split order: partial sum ``s`` of the tile is
-    read at ``ws + s * split_stride`` (``ws``: the tile's pointers into split 0; int64 stride)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(ws + s * split_stride, mask=mask, other=0.0)
-    return acc
-
-
-@triton.jit
-def _splitk_reduce_kernel(ws_ptr, c_ptr, bias_ptr, M, N, n_batch,
-                          s_cb, s_cm, s_cn, s_biasm, s_biasn,
-                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HAS_BIAS: tl.constexpr):
-    """out = round(((p_0 + p_1) + ...) + bias): the second pass of the variant's split-K and of
-    the invariant's chunk programs (``split_chunks``), partial sums added in order (the
-    workspace is contiguous ``[SPLIT_K, n_batch, M, N]``).  The MoE grouped GEMM's variant
-    launches it too."""
-    bid = tl.program_id(2)
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    offs = (bid.to(tl.int64) * M + rows[:, None]) * N + cols[None, :]
-    acc = _sum_splits(ws_ptr + offs, tl.cast(n_batch, tl.int64) * M * N, mask, SPLIT_K, BLOCK_M, BLOCK_N)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rows[:, None] * s_biasm + cols[None, :] * s_biasn, mask=mask, other=0.0)
-        acc = acc + to_f32(bias)
-    c_offs = bid.to(tl.int64) * s_cb + rows[:, None] * s_cm + cols[None, :] * s_cn
-    tl.store(c_ptr + c_offs, from_f32(acc, c_ptr.dtype.element_ty), mask=mask)
-
-
 def _k_plan(impl, cfg, M, N, K, dtype, compiled=None) -> tuple:
     """``(programs along K, K blocks per program, K blocks per chunk)`` of a launch (0 blocks
     per chunk: K is not long, one loop).  Invariant: one program per tile (the chunk loop
@@ -640,7 +584,7 @@ class _Plan(NamedTuple):
     reduce_grid: tuple
 
 
-#: Tile of the second pass (``_splitk_reduce_kernel``)
+#: Tile of the second pass (:func:`batch_invariance_kit.ops.k_order.chunk_reduce_kernel`)
 _REDUCE_M, _REDUCE_N = 32, 128
 
 
@@ -670,27 +614,44 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _launch_tma(a, b, out, bias, plan, strides, b_kn):
+def _launch_tma(a, b, out, bias, plan, p: Product, b_kn):
     """The TMA kernel for one 2-D product: descriptors of ``a`` (M, K) and of ``b`` as (K, N)
-    rows (``b_kn``) or as the (N, K) rows of a linear weight, built from the given strides."""
+    rows (``b_kn``) or as the (N, K) rows of a linear weight, built from ``p``'s strides."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    M, N, K, sa, sb, sc, sbias = strides
+    M, N, K, sa, sb, sc = p.M, p.N, p.K, p.a, p.b, p.c
     kw = plan.tma_kw
     bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
     a_desc = TensorDescriptor(a, [M, K], [sa[1], sa[2]], [bm, bk])
     b_desc = TensorDescriptor(b, [K, N], [sb[1], sb[2]], [bk, bn]) if b_kn else \
         TensorDescriptor(b, [N, K], [sb[2], sb[1]], [bn, bk])
-    _mm_tma_kernel[(plan.grid[0],)](a_desc, b_desc, out, bias, M, N, K, plan.tiles, sc[1], sc[2], *sbias,
+    _mm_tma_kernel[(plan.grid[0],)](a_desc, b_desc, out, bias, M, N, K, plan.tiles, sc[1], sc[2], *p.bias,
                                     B_KN=b_kn, **kw)
 
 
-def _launch(a, b, out, bias, impl, config, B, M, N, K, sa, sb, sc, sbias):
-    """``out = a @ b (+ bias)`` for B products of (M, K) x (K, N), each tensor read in place
-    through its element strides: ``sa`` (batch, m, k) of ``a``, ``sb`` (batch, k, n) of ``b``,
-    ``sc`` (batch, m, n) of ``out``, ``sbias`` (m, n) of ``bias`` (stride 0 along a broadcast
-    dim; ``bias`` None: no bias).  Nothing is launched for an empty output; ``K = 0`` gives
-    ``0 + bias``.  ``config``: None (:func:`select_config`) or an :class:`MMConfig`."""
+#: Set by :func:`plant_variant`: every invariant launch runs the variant twin instead
+_variant_planted = False
+
+
+def plant_variant(on: bool = True) -> None:
+    """Plant a fault: while ``on``, every invariant launch of this module (and the MoE gating
+    matmul, which launches through it) runs its split-K variant twin.  It exists so that the
+    guards can be shown to work (the book's claims, the tests, a reader's CI must stop on it);
+    :mod:`batch_invariance_kit.verify.planted` calls it for ``KIT_PLANT_VARIANT=matmul``."""
+    global _variant_planted
+    if not isinstance(on, bool):
+        raise TypeError(f"on must be a bool, got {type(on).__name__}")
+    _variant_planted = on
+
+
+def launch(a, b, out, bias, p: Product, *, impl: str = "invariant", config=None) -> None:
+    """``out = a @ b (+ bias)`` for the ``p.batch`` products of (M, K) x (K, N) that
+    :class:`~batch_invariance_kit.ops.k_order.Product` ``p`` describes, each tensor read in
+    place through its element strides (``bias`` None: no bias).  The launch behind every public
+    op here, for callers that have checked their operands (the MoE layer's gating matmul).
+    Nothing is launched for an empty output; ``K = 0`` gives ``0 + bias``.  ``config``: None
+    (:func:`select_config`) or an :class:`MMConfig`."""
+    B, M, N, K = p.batch, p.M, p.N, p.K
     if B == 0 or M == 0 or N == 0:
         return
     if K == 0:  # acc = 0, then + bias, then rounded: the same as the kernel would give
@@ -698,26 +659,24 @@ def _launch(a, b, out, bias, impl, config, B, M, N, K, sa, sb, sc, sbias):
         if bias is not None:
             out.add_(bias)
         return
-    if impl == "invariant" and planted("matmul"):
-        impl = "variant"  # KIT_PLANT_VARIANT=matmul: the fault the book's claims must catch
+    if impl == "invariant" and _variant_planted:
+        impl = "variant"  # the fault the book's claims must catch (plant_variant)
     has_bias = bias is not None
     plan = _plan(B, M, N, K, a.dtype, impl, config, has_bias, a.device)
     if not has_bias:
         bias = out
     if plan.tma:
-        b_kn = _b_layout(a.data_ptr(), b.data_ptr(), a.element_size(), M, N, K, sa[1:], sb[1:])
+        b_kn = _b_layout(a.data_ptr(), b.data_ptr(), a.element_size(), M, N, K, p.a[1:], p.b[1:])
         if b_kn is not None:
-            _launch_tma(a, b, out, bias, plan, (M, N, K, sa, sb, sc, sbias), b_kn)
+            _launch_tma(a, b, out, bias, plan, p, b_kn)
             return
     split = plan.split
     ws = torch.empty((split, B, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    _mm_kernel[plan.grid](a, b, out, bias, ws, plan.per_split, M, N, K, B, plan.tiles, *sa, *sb, *sc, *sbias,
+    _mm_kernel[plan.grid](a, b, out, bias, ws, plan.per_split, M, N, K, B, plan.tiles, *p.a, *p.b, *p.c, *p.bias,
                           **plan.kw)
     if split > 1:
-        _splitk_reduce_kernel[plan.reduce_grid](
-            ws, out, bias, M, N, B, *sc, *sbias,
-            SPLIT_K=split, BLOCK_M=_REDUCE_M, BLOCK_N=_REDUCE_N, HAS_BIAS=has_bias, num_warps=4,
-        )
+        launch_chunk_reduce(ws, out, bias if has_bias else None, M, N, B, p.c, p.bias, split,
+                            block_m=_REDUCE_M, block_n=_REDUCE_N, grid=plan.reduce_grid)
 
 
 # --------------------------------------------------------------------------------------------
@@ -772,8 +731,8 @@ def _run2d(a, b, bias2, out, impl, config):
         row_bias = bias2[0] if bias2.stride(0) == 0 else bias2  # what the caller passed: 1-D bias
         return torch.addmm(row_bias, a, b, out=out)
     sa, sb, sc = a.stride(), b.stride(), out.stride()
-    _launch(a, b, out, bias2, impl, _config_arg(config), 1, M, N, a.shape[1], (0, sa[0], sa[1]), (0, sb[0], sb[1]),
-            (0, sc[0], sc[1]), (0, 0) if bias2 is None else bias2.stride())
+    launch(a, b, out, bias2, Product(1, M, N, a.shape[1], (0, sa[0], sa[1]), (0, sb[0], sb[1]), (0, sc[0], sc[1]),
+                                     (0, 0) if bias2 is None else bias2.stride()), impl=impl, config=_config_arg(config))
     return out
 
 
@@ -843,8 +802,8 @@ def linear(x, weight, bias=None, *, impl="invariant", out=None, config=None):
         _check_out(out2, (M, N), x2, (("x", x2), ("weight", weight), ("bias", bias)))
         sc = (0, *out2.stride())
     sx, sw = x2.stride(), weight.stride()
-    _launch(x2, weight, out2, bias, impl, config, 1, M, N, K, (0, sx[0], sx[1]), (0, sw[1], sw[0]), sc,
-            (0, 0) if bias is None else (0, bias.stride(0)))
+    launch(x2, weight, out2, bias, Product(1, M, N, K, (0, sx[0], sx[1]), (0, sw[1], sw[0]), sc,
+                                           (0, 0) if bias is None else (0, bias.stride(0))), impl=impl, config=config)
     return out
 
 
@@ -863,6 +822,6 @@ def bmm(a, b, *, impl="invariant", out=None, config=None):
         return out.copy_(torch.bmm(a.double(), b.double()))
     if impl == "cublas":
         return torch.bmm(a, b, out=out)
-    _launch(a, b, out, None, impl, _config_arg(config), B, M, N, a.shape[2], a.stride(), b.stride(), out.stride(),
-            (0, 0))
+    launch(a, b, out, None, Product(B, M, N, a.shape[2], a.stride(), b.stride(), out.stride()), impl=impl,
+           config=_config_arg(config))
     return out

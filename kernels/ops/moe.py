@@ -26,9 +26,9 @@ once, then each step launches its kernels with launch parameters cached per shap
 * ``"invariant"``: every reduction has one schedule whatever the batch: the router's per-token
   softmax sum has block size and warps chosen from the number of experts only
   (:func:`router_launch`); the grouped GEMM has one K schedule for every expert load, the kit
-  matmul's: ``BLOCK_K`` from the dtype (:func:`batch_invariance_kit.ops.matmul.block_k`), no
-  split-K, each K block the matmul's own step (``matmul._ptr_step``) from block 0 upward, and a
-  long K in the matmul's fixed chunks (:func:`batch_invariance_kit.ops.matmul.k_chunk`: over
+  matmul's: ``BLOCK_K`` from the dtype (:func:`batch_invariance_kit.ops.k_order.block_k`), no
+  split-K, each K block the matmul's own step (``k_order.ptr_step``) from block 0 upward, and a
+  long K in the matmul's fixed chunks (:func:`batch_invariance_kit.ops.k_order.k_chunk`: over
   4096 keys, chunks of 2048 summed from zero, added in order), so a row of an expert's GEMM is
   bitwise the kit's matmul of that token by the expert's weight.  The M/N tile is taken from a
   table keyed by tokens per expert (:data:`INVARIANT_TABLE`) but it only decides *which
@@ -64,6 +64,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import checks
+from . import k_order
 from . import matmul as MM
 from ..device import INTERPRET
 
@@ -114,7 +115,10 @@ class MoEConfig:
 
 
 #: Invariant grouped GEMM: (largest tokens per expert, BLOCK_M, BLOCK_N, num_warps, num_stages).
-#: BLOCK_K is :func:`batch_invariance_kit.ops.matmul.block_k` of the dtype for every row of the table.
+#: BLOCK_K is :func:`batch_invariance_kit.ops.k_order.block_k` of the dtype for every row of the table.
+#: No stored sweep of tiles chose these rows (nor the variant's below): they are set by hand, and
+#: ``results/h200/moe_bench.json`` measures the layer that uses them (``moe_bench``; the
+#: ``moe_vs_vllm`` part times it beside vLLM's fused_moe).
 INVARIANT_TABLE = [(16, 16, 64, 4, 4), (128, 32, 64, 4, 4), (None, 64, 128, 8, 3)]
 
 #: Variant grouped GEMM, like a tuned production table: (largest tokens per expert, BLOCK_M,
@@ -135,7 +139,7 @@ def select_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dt
     """The grouped-GEMM config ``impl`` uses for this batch."""
     _check_impl(impl)
     load = tokens_per_expert(num_tokens, top_k, num_experts)
-    bk = MM.block_k(dtype)
+    bk = k_order.block_k(dtype)
     if impl == "variant":
         for bound, bm, bn, bk16, split, nw, ns in VARIANT_TABLE:
             if bound is None or load <= bound:
@@ -524,9 +528,9 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expe
                          SPLIT_K: tl.constexpr, UPCAST: tl.constexpr):
     """Block ``pid_m`` of the dispatch times its expert's weight ``w[e]`` (N_w, K), read as
     (K, N).  FUSE_SILU: columns n and N + n of ``w[e]`` are gate and up; the output is
-    ``silu(gate) * up``.  The K loop is the matmul's: each K block is matmul's ``_ptr_step``
+    ``silu(gate) * up``.  The K loop is the matmul's: each K block is ``k_order.ptr_step``
     (one masked block of ``acc = tl.dot(a, b, acc)``), from block 0 upward, and with
-    CHUNK_BLOCKS > 0 (a long K, :func:`batch_invariance_kit.ops.matmul.k_chunk_blocks`) in
+    CHUNK_BLOCKS > 0 (a long K, :func:`batch_invariance_kit.ops.k_order.k_chunk_blocks`) in
     chunks of CHUNK_BLOCKS blocks, each summed from zero, added in chunk order, as matmul's
     ``_tile`` does.  SPLIT_K > 1 (variant only, CHUNK_BLOCKS 0): the K blocks of split
     ``program_id(2)``, fp32 partials to ``ws``."""
@@ -556,17 +560,17 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expe
                 kb_lo = split * per_split
                 kb_hi = tl.minimum(kb_lo + per_split, k_blocks)
             for kb in range(kb_lo, kb_hi):  # upward from the range's first block
-                acc = MM._ptr_step(a_base, w_base, acc, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K, UPCAST)
+                acc = k_order.ptr_step(a_base, w_base, acc, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K, UPCAST)
                 if FUSE_SILU:
-                    acc_u = MM._ptr_step(a_base, u_base, acc_u, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K, UPCAST)
+                    acc_u = k_order.ptr_step(a_base, u_base, acc_u, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K, UPCAST)
         else:  # a long K: chunk sums from zero, added in chunk order
             for c0 in range(0, k_blocks, CHUNK_BLOCKS):
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for kb in range(c0, tl.minimum(c0 + CHUNK_BLOCKS, k_blocks)):  # upward
-                    part = MM._ptr_step(a_base, w_base, part, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K, UPCAST)
+                    part = k_order.ptr_step(a_base, w_base, part, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K, UPCAST)
                     if FUSE_SILU:
-                        part_u = MM._ptr_step(a_base, u_base, part_u, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K,
+                        part_u = k_order.ptr_step(a_base, u_base, part_u, kb, K, s_ak, s_wk, mask_m, mask_n, BLOCK_K,
                                               UPCAST)
                 acc += part
                 if FUSE_SILU:
@@ -590,8 +594,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expe
 def _splitk_silu_kernel(ws_ptr, c_ptr, n_valid, N, s_cm, s_cn, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr):
     """The variant's second pass for the fused gate/up GEMM: the gate's and the up's partial
-    sums each added in split order by matmul's ``_sum_splits`` (the pass of matmul's
-    ``_splitk_reduce_kernel``, which the unfused GEMM's variant launches as it is), then
+    sums each added in split order by ``k_order.sum_splits`` (the pass of
+    ``k_order.chunk_reduce_kernel``, which the unfused GEMM's variant launches as it is), then
     ``silu(gate) * up``, rounded once.  A kernel of its own for the activation between the sum
     and the rounding; partials as ``_grouped_gemm_kernel`` stores them, ``[SPLIT_K, n_valid, 2N]``."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -599,8 +603,8 @@ def _splitk_silu_kernel(ws_ptr, c_ptr, n_valid, N, s_cm, s_cn, SPLIT_K: tl.const
     mask = (rows < n_valid)[:, None] & (cols < N)[None, :]
     gate = ws_ptr + rows[:, None] * (2 * N) + cols[None, :]
     split_stride = tl.cast(n_valid, tl.int64) * (2 * N)
-    acc = _silu_mul(MM._sum_splits(gate, split_stride, mask, SPLIT_K, BLOCK_M, BLOCK_N),
-                    MM._sum_splits(gate + N, split_stride, mask, SPLIT_K, BLOCK_M, BLOCK_N))
+    acc = _silu_mul(k_order.sum_splits(gate, split_stride, mask, SPLIT_K, BLOCK_M, BLOCK_N),
+                    k_order.sum_splits(gate + N, split_stride, mask, SPLIT_K, BLOCK_M, BLOCK_N))
     tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :] * s_cn, from_f32(acc, c_ptr.dtype.element_ty), mask=mask)
 
 
@@ -615,8 +619,8 @@ def _resolve_config(config, num_tokens, top_k, num_experts, dtype, impl) -> MoEC
         return _table_config(num_tokens, top_k, num_experts, dtype, impl)
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be None or a MoEConfig, got {type(config).__name__}")
-    if impl == "invariant" and (config.block_k != MM.block_k(dtype) or config.split_k != 1):
-        raise ValueError(f"config of the invariant kernel must have block_k={MM.block_k(dtype)} and split_k=1 "
+    if impl == "invariant" and (config.block_k != k_order.block_k(dtype) or config.split_k != 1):
+        raise ValueError(f"config of the invariant kernel must have block_k={k_order.block_k(dtype)} and split_k=1 "
                          f"(the fixed K schedule), got block_k={config.block_k}, split_k={config.split_k}")
     return config
 
@@ -674,7 +678,7 @@ def _gemm_params(num_valid: int, num_blocks: int, N: int, K: int, dtype: torch.d
     per shape.  The invariant K order is the matmul's (chunks for a long K); the variant keeps
     its table's split-K and K step."""
     split = max(1, min(cfg.split_k, -(-K // cfg.block_k)))
-    chunk_blocks = MM.k_chunk_blocks(K, dtype) if impl == "invariant" else 0
+    chunk_blocks = k_order.k_chunk_blocks(K, dtype) if impl == "invariant" else 0
     kw = dict(A_DIV=a_div, FUSE_SILU=fuse, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
               CHUNK_BLOCKS=chunk_blocks, SPLIT_K=split, UPCAST=INTERPRET, num_warps=cfg.num_warps,
               num_stages=cfg.num_stages)
@@ -699,10 +703,8 @@ def _grouped_gemm(a, w, disp, fuse, gather_tokens, impl, cfg, out) -> None:
             num_warps=4,
         )
     elif split > 1:  # matmul's pass over [SPLIT_K, 1, num_valid, N] partials (no bias)
-        MM._splitk_reduce_kernel[pass_grid + (1,)](
-            ws, out, out, disp.num_valid, N, 1, 0, out.stride(0), out.stride(1), 0, 0,
-            SPLIT_K=split, BLOCK_M=32, BLOCK_N=64, HAS_BIAS=False, num_warps=4,
-        )
+        k_order.launch_chunk_reduce(ws, out, None, disp.num_valid, N, 1, (0, out.stride(0), out.stride(1)), (0, 0),
+                                    split, block_m=32, block_n=64, grid=pass_grid + (1,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -843,7 +845,7 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     cfg = _resolve_config(config, T, top_k, E, dt, impl)
     # every operand is checked contiguous above: the steps launch their kernels directly
     logits = x.new_empty((T, E))
-    MM._launch(x, router_weight, logits, None, impl, None, 1, T, E, H, (0, H, 1), (0, 1, H), (0, E, 1), (0, 0))
+    MM.launch(x, router_weight, logits, None, k_order.Product(1, T, E, H, (0, H, 1), (0, 1, H), (0, E, 1)), impl=impl)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
     _route(logits, top_k, scoring, renormalize, impl, weights, ids)

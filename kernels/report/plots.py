@@ -407,3 +407,23 @@ def speculation_figure(runs: dict):
     axes[1].set_ylabel("accepted / drafted")
     axes[1].set_title("acceptance rate of the drafts", fontsize=9)
     return fig
+
+#: What :func:`moe_vs_vllm` prints when no comparison with vLLM is stored
+NO_MOE_VS_VLLM = ("No stored comparison with vLLM's fused_moe (moe_vs_vllm.json): run "
+                  "`python -m batch_invariance_kit.validate --only moe_vs_vllm` on a GPU with vLLM's CUDA build.")
+
+
+def moe_vs_vllm(where: str = "h200", root=None):
+    """Chapter 5's figure of the kit's invariant MoE layer against vLLM's default Triton
+    ``fused_moe``: the speed ratio over the token count, one panel per model, the goal dashed.
+    Reads the stored ``moe_vs_vllm.json`` of ``results/<where>/``; when it is absent, prints
+    :data:`NO_MOE_VS_VLLM` and returns None.  Returns the figure."""
+    from . import results
+
+    if results.load("moe_vs_vllm", where, root) is None:
+        print(NO_MOE_VS_VLLM)
+        return None
+    rows = [r for r in cost.summary(where, root) if r["family"] == "moe vs vLLM"]
+    return speed_figure(rows, "moe vs vLLM", "tokens", panel="model", xlabel="tokens",
+                        title="MoE layer: the kit's invariant kernels vs vLLM's fused_moe, bf16")
+

@@ -3,6 +3,11 @@
 ``{"provenance": {...}, "rows": [{"op", "impl", <shape keys>, "median_us", ...}],
 "checks": [{"name", "passed", <details>}]}``
 
+A check is one of three kinds (:func:`kind`): **required** (an invariance or correctness
+check: a failed one makes the validation command exit 1), **goal** (``"goal": True``: a speed
+comparison, reported as met or not, never a failure: :func:`goal`) or **informational**
+(``"informational": True``: an observation, e.g. that cuBLAS depends on the batch).
+
 Stored H200 results live in ``results/h200/`` (committed); a reader's own GPU run writes to
 ``results/local/`` (ignored by git) and the book shows both when present.
 """
@@ -90,6 +95,33 @@ def provenance(command: str | None = None) -> dict:
     except Exception:
         prov["vllm"] = None
     return prov
+
+
+#: The kinds of check, in the order a report lists them
+KINDS = ("required", "goal", "informational")
+
+
+def goal(name: str, met: bool, **details) -> dict:
+    """A speed goal as a check: ``passed`` says whether it is met; ``"goal": True`` keeps it out
+    of the exit status (the validation command fails only on a required check)."""
+    return {"name": name, "passed": bool(met), "goal": True, **details}
+
+
+def kind(check: dict) -> str:
+    """``"goal"``, ``"informational"`` or ``"required"`` (the default: an invariance or
+    correctness check)."""
+    if check.get("goal"):
+        return "goal"
+    if check.get("informational"):
+        return "informational"
+    return "required"
+
+
+def of_kind(checks: list, which: str) -> list:
+    """The checks of one :data:`KINDS` kind."""
+    if which not in KINDS:
+        raise ValueError(f"which must be one of {KINDS}, got {which!r}")
+    return [c for c in checks if kind(c) == which]
 
 
 def local_dir() -> Path:

@@ -1,3 +1,5 @@
 """How the kit proves invariance: the bitwise harness (row alone vs row in a batch, first
 divergence search), the reduction-order emulator of the CUDA kernels, and guard regions that
-catch out-of-bounds stores under the Triton interpreter."""
+catch out-of-bounds stores under the Triton interpreter.  Importing it registers a planted
+fault named in ``KIT_PLANT_VARIANT`` (:mod:`.planted`; nothing when unset)."""
+from . import planted as _planted  # noqa: F401  (registers KIT_PLANT_VARIANT's faults with the ops)

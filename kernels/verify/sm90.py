@@ -45,6 +45,9 @@ from dataclasses import dataclass, field
 
 #: The compile target: Hopper (sm_90), 32 threads per warp.
 ARCH = 90
+#: Compile matmul's trial configs too (``--trials``: :data:`batch_invariance_kit.ops.matmul.TRIAL_CONFIGS`,
+#: measured by a refit sweep, not shipped)
+TRIALS = False
 #: SMs of an H200 (and H100 SXM): the device query a CPU process answers with this.
 SMS = 132
 #: Shared memory one block may use on sm_90 (227 KiB, opt-in): a kernel that needs more
@@ -204,7 +207,7 @@ def _matmul(rec, dev):
             # every config the cost model may pick, forced (16-bit; fp32 compiles its picks below):
             # with a bias and B as (N, K) over the short K, without and B as (K, N) rows over the
             # long one (chunked)
-            for cfg in MM._candidates(dt) if dt == torch.bfloat16 else []:
+            for cfg in (MM._candidates(dt) + (MM.TRIAL_CONFIGS if TRIALS else [])) if dt == torch.bfloat16 else []:
                 tag = f"{_dname(dt)} M=300 N=8192 K={K}"
                 if K == ks[0]:
                     rec.call(f"linear+bias invariant {cfg.name} {tag}", MM.linear, a, w, bias, config=cfg)
@@ -468,7 +471,10 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="parallel compile processes")
     p.add_argument("--only", nargs="*", choices=sorted(DRIVERS), help="drivers to run (default: all)")
     p.add_argument("--json", help="write the results here (a list of objects, one per compiled kernel)")
+    p.add_argument("--trials", action="store_true", help="also compile matmul's trial configs (not shipped)")
     a = p.parse_args(argv)
+    global TRIALS
+    TRIALS = a.trials
     t0 = time.perf_counter()
     launches = record_launches(a.only)
     jobs = prepare(launches)
