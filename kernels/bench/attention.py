@@ -221,7 +221,7 @@ def bench(quick: bool) -> tuple:
     bf16."""
     F = torch.nn.functional
     cfg = A.default_config()
-    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()  # torch's default, before vLLM is imported
+    cudnn_sdp = True  # torch's default (importing vLLM, which a result's provenance may do, switches it off)
     fa3 = _fa3()
     dtype = torch.bfloat16
     rows, checks = [], []

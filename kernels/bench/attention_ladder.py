@@ -349,6 +349,7 @@ def ladder(quick: bool, cells=None, rungs=None, candidates=None, shapes=None, re
         base = {"op": "attention_prefill", "cell": name, "seqs": seqs, "prompt": n, "dtype": "bfloat16"}
         q4 = q.view(seqs, n, HQ, D).transpose(1, 2)
         k4, v4 = cell["k"].transpose(1, 2), cell["v"].transpose(1, 2)
+        torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default; importing vLLM switches it off
         sd = lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=D ** -0.5, enable_gqa=True)
         ref = sd().transpose(1, 2).reshape(seqs * n, HQ, D).clone()
         t, g = median_us_graph_or_plain(sd, warmup=3, reps=30, budget_s=0.6)
