@@ -145,3 +145,31 @@ def test_main_rejects_bad_arguments(capsys, tmp_path):
     assert "--modes" in capsys.readouterr().err
     assert O.main(["--out", str(tmp_path), "--model", str(tmp_path), "--clients", "0"]) == 2
     assert "--clients" in capsys.readouterr().err
+
+
+HAS_VLLM = __import__("importlib.util").util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM's CPU build is not installed (bash tools/kit.sh)")
+def test_kit_server_is_bitwise_under_concurrent_clients(tmp_path):
+    """vLLM's CPU build serving SmolLM2-135M-Instruct with the kit's plugin: 2 targets alone, then
+    among 4 clients of random lengths and times, a streamed copy and a cancelled neighbour; every
+    copy bitwise its answer alone, the server still serving after the cancellation."""
+    import torch
+
+    from batch_invariance_kit.serving import smollm2
+    from batch_invariance_kit.vllm import chat
+    from transformers import AutoTokenizer
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU build's test; on a GPU run python -m batch_invariance_kit.vllm.online")
+    model = smollm2.prepare()
+    tok = AutoTokenizer.from_pretrained(model)
+    plan = O.Plan(targets=[chat.encode(tok, q) for q in chat.TARGETS[:2]], max_tokens=8, clients=4, per_client=2,
+                  rounds=1, prompt_len=(8, 96), new_tokens=(2, 16), window_s=3.0, top_logprobs=5,
+                  vocab=tok.vocab_size)
+    res = O.run_mode(model, "kit", plan, tmp_path, eager=True, gpu=False, start_timeout_s=420, timeout_s=300)
+    assert not res.get("error"), res.get("error")
+    cs = O.checks("kit", res, platform="cpu", plugin_calls=(res.get("plugin") or {}).get("calls"))
+    assert len(cs) == 5 and all(c["passed"] for c in cs), cs
+    assert res["server"]["exit_code"] is not None and res["rounds"][0]["neighbours"]["sent"] == 9
