@@ -214,18 +214,26 @@ class Engine:
         return draft
 
     def _chunk(self, s: _Seq, budget: int) -> int:
+        """Prompt tokens ``s`` feeds in a step with ``budget`` tokens left, or 1 for a decoding
+        request (its draft tokens come on top: :meth:`_schedule`); a query, no side effect."""
         rest = len(s.tokens) - s.computed
         if not s.prefilling:
-            if budget < 1:
-                return 0
-            s.draft = self._propose(s, budget) if self.num_draft else []
-            return 1 + len(s.draft)
+            return 1 if budget >= 1 else 0
         cap = budget if self.chunk_size is None else min(budget, self.chunk_size)
         if rest <= cap:
             return rest
         if self.chunk_size is None:
             return 0
         return (cap // self.block_n) * self.block_n
+
+    def _schedule(self, s: _Seq, budget: int) -> int:
+        """Tokens ``s`` feeds this step (:meth:`_chunk`); a decoding request's draft for the step
+        is proposed here and kept in ``s.draft``."""
+        n = self._chunk(s, budget)
+        if n and not s.prefilling:
+            s.draft = self._propose(s, budget) if self.num_draft else []
+            n += len(s.draft)
+        return n
 
     def _admit(self, s: _Seq) -> None:
         bs = self.block_size
@@ -294,7 +302,7 @@ class Engine:
             budget = self.max_num_tokens
             sched = []
             for s in running:
-                n = self._chunk(s, budget)
+                n = self._schedule(s, budget)
                 if n:
                     sched.append((s, n))
                     budget -= n
@@ -303,7 +311,7 @@ class Engine:
                 if not s.admitted:
                     self._admit(s)
                     s.admitted = True
-                n = self._chunk(s, budget)
+                n = self._schedule(s, budget)
                 if n == 0:
                     break
                 waiting.popleft()
@@ -333,14 +341,15 @@ class Engine:
             lp = self.model.forward(batch, self.kv, impl=self.impl).cpu()
             self.step_log.append((step, len(toks), len(sched)))
             decoding = {s.index for s, _ in sched if not s.prefilling}
-            for s, n in sched:
+            # positions whose keys/values this step made valid: a prefill chunk's tokens, or a
+            # decode / verify step's fed last token and its accepted drafts
+            valid = {s.index: 0 if s.index in decoding else n for s, n in sched}
+            for s, _ in sched:
                 s.steps.append((step, len(toks), len(sched)))
-                if s.index not in decoding:
-                    s.computed += n
             for s, first, k in rows_of:
                 draft, s.draft = s.draft, []
-                if s.index in decoding:         # decode / verify: the fed last token is computed
-                    s.computed += 1
+                if s.index in decoding:
+                    valid[s.index] += 1
                 s.drafted += len(draft)
                 for j in range(k):
                     row = lp[first + j].clone()
@@ -351,8 +360,9 @@ class Engine:
                     if j == len(draft) or t != draft[j]:
                         break
                     s.accepted += 1
-                    s.computed += 1             # an accepted draft's keys/values are valid
+                    valid[s.index] += 1
             for s, _ in sched:
+                s.computed += valid[s.index]
                 self._register_full_blocks(s)
             for s in [s for s, _ in sched if s.done]:
                 running.remove(s)
