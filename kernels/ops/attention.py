@@ -84,10 +84,15 @@ only).  Prefill == decode then needs every row to see the same arithmetic in a 6
 a 16-row tile.  ``tl.sum`` reduces in an order set by the register layout: with 16 rows and 4
 warps, the warps split a row's keys among them, a cross-warp step the 64-row tile does not
 have, and on the H200 decode differed from prefill at dozens of positions
-(``results/h200/explorations/attention_16row_decode_tiles``).  The row sum ``l`` is therefore a
-fixed pairwise tree
-built from ``tl.split`` (``(0+1)+(2+3)...``, :func:`_row_sum`): no layout enters, and (d) holds
-at every position (``results/h200/attention_decode_tiles.json``).
+(``results/h200/explorations/attention_16row_decode_tiles``).  The row sum ``l`` therefore never
+goes through ``tl.sum``.  Compiled, it is ``p @ ones`` on the tensor cores (the 16-bit ``p``
+that ``p @ V`` uses; the tensor cores' order is the same for every tile height), its 16 equal
+columns kept as they are in 16-row programs and one of them taken in 64-row programs, updated
+by an explicit FMA; under the interpreter (and for fp32 values) it is a fixed pairwise tree
+built from ``tl.split`` (``(0+1)+(2+3)...``, :func:`_row_sum`).  Compiled kernels keep the
+softmax state in base 2 (``exp2`` of scores scaled by ``scale * log2 e``, the fold in ``exp2``);
+the interpreter keeps base e.  (d) holds at every position on both
+(``results/h200/attention_decode_tiles.json``, ``tests/test_attention.py``).
 
 Planning once per step
 ----------------------
