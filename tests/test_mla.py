@@ -24,8 +24,8 @@ SPLIT = CFG.split_size
 H, LORA, ROPE, NOPE, V, BS = 4, 32, 16, 16, 16, 16
 SHAPE = M.MLAShape(H, LORA, ROPE, NOPE, V)
 DT = torch.bfloat16
-#: a prompt that crosses several tiles and splits
-N = max(100, SPLIT + CFG.block_n + 5)
+#: a prompt that crosses tiles, cache blocks and a split edge
+N = SPLIT + 6
 
 
 def _seq(seed, r, n, dtype=DT):
@@ -72,7 +72,7 @@ def _prefill_vs_decode(impl, chunks):
     return [p for p in range(N) if not bitwise_equal(pre[p], dec[p])]
 
 
-@pytest.mark.parametrize("chunks", [(0,), (0, 37, 70)], ids=["one_prefill", "chunks_at_37_70"])
+@pytest.mark.parametrize("chunks", [(0,), (0, 37, 50)], ids=["one_prefill", "chunks_at_37_50"])
 def test_prefill_equals_decode_at_every_position(chunks):
     assert _prefill_vs_decode("invariant", chunks) == []
 
@@ -137,7 +137,7 @@ def test_variant_split_sizes_follow_the_batch_and_invariant_ones_do_not():
             == A.split_size_at(199, CFG))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bfloat16"])
 def test_layer_and_kernel_match_float64(dtype):
     lat, kpe, qn, qp = _seq(4, 0, 70, dtype)
     w = _weights(dtype)
