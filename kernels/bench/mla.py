@@ -1,0 +1,50 @@
+"""MLA on a GPU: the kit's absorbed kernel (decode and prefill) beside an SDPA formulation of the
+same absorbed math (the peer when neither vLLM's Triton MLA decode kernel nor FlashMLA is
+imported), at DeepSeek-V3 sizes (128 heads, latent 512, rope 64).  Rows in the results shape
+``{"op", "impl", <shape keys>, "median_us"}``."""
+from __future__ import annotations
+
+import torch
+
+from ..ops import mla as M
+from ..verify.harness import seeded_normal
+from .timing import median_us
+
+__all__ = ["mla_rows"]
+
+
+def mla_rows(*, heads: int = 128, kv_lora_rank: int = 512, rope_dim: int = 64, block_size: int = 64,
+             cases=((64, 1, 4096), (1, 4096, 4096)), dtype=torch.bfloat16, reps: int = 50, device="cuda") -> list:
+    """``cases``: ``(num_seqs, q_len, seq_len)``; one row per (case, impl) for ``impl`` in
+    ``invariant`` (the kit), ``variant`` (its split-KV twin) and ``sdpa`` (``F.scaled_dot_product_attention``
+    of the absorbed queries over each sequence's gathered latent, one call per sequence)."""
+    rows = []
+    dim = kv_lora_rank + rope_dim
+    scale = 1.0 / (128 + rope_dim) ** 0.5
+    for S, q_len, n in cases:
+        blocks = -(-n // block_size)
+        c = M.LatentCache(S * blocks + 1, block_size, kv_lora_rank, rope_dim, dtype, device=device, seed=0)
+        for s in range(S):
+            c.write(s, seeded_normal((n, kv_lora_rank), 2 * s, dtype=dtype, device=device),
+                    seeded_normal((n, rope_dim), 2 * s + 1, dtype=dtype, device=device))
+        q = seeded_normal((S * q_len, heads, dim), 7, dtype=dtype, device=device)
+        qq, bt, lens, qsl = c.args([(s, q[s * q_len:(s + 1) * q_len], n) for s in range(S)])
+        for impl in ("invariant", "variant"):
+            us = median_us(lambda: M.mla_attention(qq, c.cache, bt, lens, qsl, kv_lora_rank=kv_lora_rank,
+                                                   scale=scale, impl=impl), reps=reps)
+            rows.append({"op": "mla_attention", "impl": impl, "num_seqs": S, "q_len": q_len, "seq_len": n,
+                         "heads": heads, "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, "median_us": us})
+        pos = torch.arange(n, device=device)
+        lat = [c.cache[bt[s, pos // block_size].long(), pos % block_size] for s in range(S)]
+        mask = (pos[None, :] <= torch.arange(n - q_len, n, device=device)[:, None])
+
+        def sdpa():
+            for s in range(S):
+                qs = qq[s * q_len:(s + 1) * q_len].transpose(0, 1)            # (H, q_len, dim)
+                k = lat[s][None].expand(heads, n, dim)
+                v = lat[s][None, :, :kv_lora_rank].expand(heads, n, kv_lora_rank)
+                torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+        rows.append({"op": "mla_attention", "impl": "sdpa", "num_seqs": S, "q_len": q_len, "seq_len": n,
+                     "heads": heads, "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim,
+                     "median_us": median_us(sdpa, reps=reps)})
+    return rows
