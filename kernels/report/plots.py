@@ -36,6 +36,10 @@ SHADES = {"invariant": ["#1f5fbf", "#5aa0e6", "#0b2e6b", "#7fb8c9"],
           "goal": ["#000000"]}
 #: Markers: one per line of a figure (the figure's first, second, ... line).
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "h"]
+#: The H200's ceilings every cost is stated against: the device-to-device copy bandwidth (bytes
+#: read + written per second, GB/s) and the dense bf16 tensor-core rate (TF/s).
+H200_COPY_GBS = 4270.0
+H200_BF16_TFLOPS = 790.0
 #: Figure width in inches: 7 inches at 100 dpi fill the book's ~700 px column.
 WIDTH = 7.0
 DPI = 100
@@ -160,6 +164,64 @@ def speed_figure(rows: list[dict], family, x: str, panel=None, *,
     if title:
         fig.suptitle(title)
     return fig
+
+
+#: The columns of :func:`bounds`.
+BOUND_HEADER = ["family", "bound", "best cell", "of the bound", "worst cell", "of the bound"]
+
+
+def _span(values, fmt="{:.0%}") -> str:
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def bounds(docs: dict) -> list:
+    """One row per kernel family (:data:`BOUND_HEADER`): the family's bound on the H200 (bytes
+    over the copy bandwidth for kernels that stream memory, FLOPs over the bf16 dense rate for
+    kernels that compute) and the fraction of it the kit's invariant kernel reaches in its best
+    and its worst cell.  ``docs``: stored results by file name (``{"rms_norm_bench.json": doc,
+    ...}``, as :func:`cost.sources` names them); a family whose file is absent has no row.
+    RMSNorm is stated against the copy ceiling its own run measured; the rest against
+    :data:`H200_COPY_GBS` and :data:`H200_BF16_TFLOPS`."""
+    from ..bench import attention as AB, moe as MB  # the benchmarks' shapes: the bytes they moved
+    from . import results
+
+    copy, peak = H200_COPY_GBS, H200_BF16_TFLOPS
+    out = []
+    rb = docs.get("rms_norm_bench.json")
+    if rb:
+        for op in ("rms_norm", "fused_add_rms_norm"):
+            best = {}
+            for r in rb["rows"]:
+                if r["op"] == op and cost.is_invariant(r["impl"]) and r.get("median_us"):
+                    if r["tokens"] not in best or r["median_us"] < best[r["tokens"]]["median_us"]:
+                        best[r["tokens"]] = r
+            big = [r["fraction_of_copy"] for t, r in best.items() if t >= 16384]
+            out.append([op, "bytes (copy)", "T >= 16384", _span(big), "T = 1", _span([best[min(best)]["fraction_of_copy"]])])
+    sw = docs.get("matmul_sweep.json")
+    if sw:
+        pick = [r for r in sw["rows"] if r.get("selected")]
+        out.append(["matmul", "bytes (copy)", "M <= 16", _span([r["gbs"] / copy for r in pick if r["M"] <= 16]), "", ""])
+        out.append(["matmul", "bf16 FLOPs", "M = 4096", _span([r["tflops"] / peak for r in pick if r["M"] == 4096]),
+                    "M = 64", _span([r["tflops"] / peak for r in pick if r["M"] == 64])])
+    mb = docs.get("moe_bench.json")
+    if mb:
+        inv = {r["tokens"]: r for r in mb["rows"] if r["impl"] == "kit-invariant" and r.get("median_us")}
+        loads = docs.get("moe_loads.json") or results.load("moe_loads")
+        active = {r["tokens"]: MB.E - r["experts_idle"] for r in loads["rows"] if r["routing"] == "uniform"} if loads else {}
+        if 1 in active and 1 in inv:
+            one = active[1] * 3 * MB.HIDDEN * MB.INTER * 2 / inv[1]["median_us"] / 1e3 / copy
+            out.append(["moe", "bytes (copy)", "T = 1", _span([one]), "", ""])
+        out.append(["moe", "bf16 FLOPs", f"T = {max(inv)}", _span([inv[max(inv)]["tflops"] / peak]), "", ""])
+    ab = docs.get("attention_bench.json")
+    if ab:
+        dec = [r for r in ab["rows"] if r["op"] == "attention_decode" and r["impl"] == "kit-invariant"]
+        frac = {(r["batch"], r["context"]): r["batch"] * r["context"] * 2 * AB.HKV * AB.D * 2 / r["median_us"] / 1e3 / copy
+                for r in dec}
+        top, low = max(frac, key=frac.get), min(frac, key=frac.get)
+        out.append(["attention decode", "bytes (KV cache)", f"batch {top[0]} x context {top[1]}", _span([frac[top]]),
+                    f"batch {low[0]} x context {low[1]}", _span([frac[low]])])
+    return out
 
 
 class table:
@@ -297,11 +359,12 @@ def engine_bars(e2e: dict | None, vllm: dict | None):
         for j, mode in enumerate(modes):
             sel = [next(r for r in tp if r["model"] == m and r["impl"] == mode) for m in models]
             eager = any(r["engine"].get("enforce_eager") for r in sel)
-            colour = COLORS["peer"] if mode == "default" else COLORS["invariant"]
+            # vLLM's default mode is the peer; its invariant mode and the kit's mode are two
+            # invariant implementations: two shades of the invariant colour
+            colour = COLORS["peer"] if mode == "default" else SHADES["invariant"][0 if mode != "kit" else 1]
             axes[1].bar([i + (j - (len(modes) - 1) / 2) * w for i in range(len(models))],
                         [r["output_tokens_per_s"] for r in sel], w, color=colour, edgecolor="white",
-                        hatch="//" if eager else None, alpha=1.0 if mode != "kit" else 0.7,
-                        label=mode + (" (eager)" if eager else ""))
+                        hatch="//" if eager else None, label=mode + (" (eager)" if eager else ""))
         axes[1].set_xticks(range(len(models)), models)
         axes[1].set_ylabel("output tokens/s")
         axes[1].set_title(f"vLLM {vllm['provenance'].get('vllm')} (one run per mode)")
@@ -407,6 +470,7 @@ def speculation_figure(runs: dict):
     axes[1].set_ylabel("accepted / drafted")
     axes[1].set_title("acceptance rate of the drafts", fontsize=9)
     return fig
+
 
 #: What :func:`moe_vs_vllm` prints when no comparison with vLLM is stored
 NO_MOE_VS_VLLM = ("No stored comparison with vLLM's fused_moe (moe_vs_vllm.json): run "
