@@ -183,7 +183,7 @@ def bounds(docs: dict) -> list:
     ...}``, as :func:`cost.sources` names them); a family whose file is absent has no row.
     RMSNorm is stated against the copy ceiling its own run measured; the rest against
     :data:`H200_COPY_GBS` and :data:`H200_BF16_TFLOPS`."""
-    from ..bench import attention as AB, moe as MB  # the benchmarks' shapes: the bytes they moved
+    from ..bench import attention as AB  # the benchmark's shapes: the bytes it moved
     from . import results
 
     copy, peak = H200_COPY_GBS, H200_BF16_TFLOPS
@@ -208,9 +208,9 @@ def bounds(docs: dict) -> list:
     if mb:
         inv = {r["tokens"]: r for r in mb["rows"] if r["impl"] == "kit-invariant" and r.get("median_us")}
         loads = docs.get("moe_loads.json") or results.load("moe_loads")
-        active = {r["tokens"]: MB.E - r["experts_idle"] for r in loads["rows"] if r["routing"] == "uniform"} if loads else {}
+        active = {r["tokens"]: r["experts"] - r["experts_idle"] for r in loads["rows"] if r["routing"] == "uniform"} if loads else {}
         if 1 in active and 1 in inv:
-            one = active[1] * 3 * MB.HIDDEN * MB.INTER * 2 / inv[1]["median_us"] / 1e3 / copy
+            one = active[1] * 3 * inv[1]["hidden"] * inv[1]["inter"] * 2 / inv[1]["median_us"] / 1e3 / copy
             out.append(["moe", "bytes (copy)", "T = 1", _span([one]), "", ""])
         out.append(["moe", "bf16 FLOPs", f"T = {max(inv)}", _span([inv[max(inv)]["tflops"] / peak]), "", ""])
     ab = docs.get("attention_bench.json")
