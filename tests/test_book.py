@@ -189,3 +189,21 @@ def test_the_write_your_own_template_runs():
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "row_scale: bitwise invariant" in out.stdout and "row_scale variant caught: True" in out.stdout, out.stdout
+
+
+def test_the_intro_lists_every_chapter_of_the_toc():
+    """The intro's chapter table has a row for every numbered chapter of ``_toc.yml``, in order."""
+    chapters = [Path(f).name for f in toc_files() if re.match(r"\d\d_", Path(f).name)]
+    intro = (ROOT / "book" / "intro.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\| \{doc\}`\d+ <(\d\d_\w+)>`", intro, re.M)
+    assert listed == chapters, f"intro's chapter table {listed} != the toc's chapters {chapters}"
+
+
+def test_use_on_your_code_shows_the_plugins_replacement_table():
+    """The plugin page's table is the plugin's own ``REPLACEMENT_TABLE``, row for row."""
+    from batch_invariance_kit.vllm.plugin import REPLACEMENT_TABLE
+
+    page = (ROOT / "book" / "use_on_your_code.md").read_text(encoding="utf-8")
+    rows = [tuple(c.strip() for c in line.strip("|").split(" | "))
+            for line in page.splitlines() if line.startswith("| ") and not line.startswith(("| vLLM op", "| ---"))]
+    assert rows == [tuple(r) for r in REPLACEMENT_TABLE]
