@@ -383,8 +383,10 @@ def sampler_trainer_figure(runs: list):
     """Two panels for :func:`batch_invariance_kit.serving.rl.sampler_vs_trainer` results (variant and invariant runs at several
     loads): the distribution of per-token ``|log p_sampler - log p_trainer|`` of the variant
     runs, and the mean per-token KL against the load (mean sequences per step of the rollouts).
-    Exact zeros are drawn on a dotted floor line (a log axis has no 0)."""
-    floor = 1e-12
+    Exact zeros are drawn on a dotted floor line (a log axis has no 0), a decade below the
+    smallest non-zero mean KL drawn, so "exactly 0" is always the lowest line of the panel."""
+    positive = [v for v in (float(r["kl"].mean()) for r in runs) if v > 0]
+    floor = 10.0 ** (math.floor(math.log10(min(positive))) - 1) if positive else 1e-12
     fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.2))
     var = [r for r in runs if r["impl"] == "variant"]
     d = torch.cat([r["logprob_diff"].abs() for r in var]).numpy()
