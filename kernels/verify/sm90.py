@@ -305,8 +305,47 @@ def _override(rec, dev):
             rec.call(f"mean {tag}", O.mean, x, -1, impl=impl)
 
 
+def _mla(rec, dev):
+    import torch
+    from ..ops import attention as A
+    from ..ops import mla as MLA
+
+    # DeepSeek-V3's latent (512 + 64 rope) and 128 heads: decode of a long context (many
+    # splits), a batch of short ones, and a prefill; the per-head projections at both K orders
+    rank, rope, heads, bs = 512, 64, 128, 16
+    for kind, lens in (("decode", [4096]), ("decode", [256] * 16), ("prefill", [512])):
+        nblocks = sum(-(-n // bs) for n in lens)
+        cache = MLA.new_latent_cache(nblocks, bs, rank, rope, torch.bfloat16, device=dev)
+        table = A.allocate_blocks(lens, bs, nblocks, device=dev)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        q_lens = [1] * len(lens) if kind == "decode" else lens
+        qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+        q = torch.empty((sum(q_lens), heads, rank + rope), dtype=torch.bfloat16, device=dev)
+        for impl in ("invariant", "variant"):
+            rec.call(f"mla {impl} {kind} seqs={len(lens)} context={lens[0]} heads={heads} latent={rank}+{rope}",
+                     MLA.mla_attention, q, cache, table, seq_lens, qsl, kv_lora_rank=rank, scale=0.1, impl=impl)
+    w = torch.empty((heads, 128, rank), dtype=torch.bfloat16, device=dev)
+    for T in (4, 64):
+        x = torch.empty((T, heads, 128), dtype=torch.bfloat16, device=dev)
+        for impl in ("invariant", "variant"):
+            rec.call(f"mla head_matmul {impl} tokens={T} heads={heads} 128->{rank}", MLA.head_matmul, x, w, impl=impl)
+
+
+def _routing(rec, dev):
+    import torch
+    from ..ops import routing as R
+
+    cfg = R.RoutingConfig(256, 8, 4, 8, routed_scaling_factor=2.5)  # DeepSeek-V3's routing
+    bias = torch.empty(256, dtype=torch.float32, device=dev)
+    for T in (1, 64):
+        logits = torch.empty((T, 256), dtype=torch.float32, device=dev)
+        for impl in ("invariant", "variant"):
+            rec.call(f"deepseek route {impl} tokens={T} experts=256 groups=8/4 top8", R.route, logits, bias, cfg,
+                     impl=impl)
+
+
 DRIVERS = {"rms_norm": _rms_norm, "matmul": _matmul, "attention": _attention, "moe": _moe,
-           "override": _override}
+           "override": _override, "mla": _mla, "routing": _routing}
 
 
 def record_launches(only=None) -> list:
