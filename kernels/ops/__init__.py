@@ -2,9 +2,15 @@
 from the batch, as production kernels do) and its *invariant* implementation.
 
 * :mod:`.rms_norm` (Triton) and :mod:`.rms_norm_cuda` (CUDA C++ of ``csrc/``): the RMSNorm family;
+* :mod:`.k_order`: the one K order that matmul and MoE share (``block_k``, the K chunking, the
+  pointer step, the chunk reduction pass, the strides record of a launch);
 * :mod:`.matmul`: GEMM without batch-chosen split-K;
 * :mod:`.moe`: router, dispatch, grouped GEMM, combine;
+* :mod:`.routing`: DeepSeek routing (sigmoid scores with a correction bias, group-limited top-k,
+  renormalised and scaled) and the routed + shared-expert layer;
 * :mod:`.attention`: paged attention with split sizes fixed per position;
+* :mod:`.mla`: Multi-head Latent Attention over a paged latent cache, one (absorbed) form for
+  prefill and decode;
 * :mod:`.override`: ``torch.library`` override mode that routes a model's torch ops to the kit;
 * :mod:`.fixed_shape`: invariant ops out of a CPU library that is not (fixed-shape GEMM tiles, a
   fixed reduction tree): the CPU replacements of the vLLM plugin;
