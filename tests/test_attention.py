@@ -489,6 +489,47 @@ def test_bad_inputs_raise_naming_the_argument():
         A.write_kv(q, q, k, v, torch.tensor([0], device=DEV))
     with pytest.raises(ValueError, match="out must have shape"):
         A.decode(q, k, v, bt, ln, out=torch.zeros((2, HQ, D), dtype=dt, device=DEV))
+    kv = torch.zeros((1, HKV, D), dtype=dt, device=DEV)
+    with pytest.raises(ValueError, match="key and value must be given together"):
+        A.attention(q, k, v, bt, ln, _qsl1(), key=kv)
+    with pytest.raises(TypeError, match="value must have dtype"):
+        A.attention(q, k, v, bt, ln, _qsl1(), key=kv, value=kv.half())
+    with pytest.raises(ValueError, match=r"key must have shape \(num_tokens, kv_heads, head_dim\)"):
+        A.attention(q, k, v, bt, ln, _qsl1(), key=kv[:, :1], value=kv)
+    with pytest.raises(ValueError, match="value must have unit stride"):
+        A.attention(q, k, v, bt, ln, _qsl1(), key=kv, value=kv.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+def _qsl1():
+    return torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+
+
+def test_step_keys_and_values_give_the_cache_bits():
+    """``key``/``value``: the step's new keys and values, as written to the cache.  The KV tiles
+    wholly inside a sequence's chunk are read from them instead of through the block table: the
+    same values, so the same bits, for a chunk starting inside a tile (serial and per-split
+    launches) and for a mixed launch.  The control: other values passed as the step's keys
+    change the rows whose tiles lie in the chunk and leave the rows before the chunk's first
+    whole tile alone, so the kernel does read them, only there."""
+    dt = torch.bfloat16
+    c = Cache(dt, seed=3)
+    n = 2 * SPLIT + BN + 5
+    q, k, v = _seq(5, 0, n, dt)
+    c.write("x", k, v, 0)
+    start = BN + 3  # the chunk's first whole KV tile is tile 2
+    step = [("x", q[start:], n)]
+    for sp in (1, None):
+        cfg = dataclasses.replace(CFG, serial_programs=sp)
+        want = c.run(step, config=cfg)[0]
+        assert bitwise_equal(c.run(step, config=cfg, new_kv=True)[0], want), sp
+    q_, bt, lens, qsl = c.args(step)
+    kn, vn = c.new_kv(step)
+    assert bitwise_equal(kn, k[start:]) and bitwise_equal(vn, v[start:])
+    other = A.attention(q_, c.k, c.v, bt, lens, qsl, key=kn, value=vn * 2)
+    early = 2 * BN - start  # rows below position 2 * BN see no whole chunk tile
+    assert bitwise_equal(other[:early], want[:early]) and not bitwise_equal(other[early:], want[early:])
+    steps = _mixed_steps(c, 7, dt)
+    assert bitwise_equal(torch.cat(c.run(steps, new_kv=True)), torch.cat(c.run(steps)))
 
 
 def test_split_plan_depends_on_the_batch_only_for_the_variant():

@@ -586,12 +586,26 @@ class PagedCache:
         qsl = torch.tensor([0] + [q.shape[0] for _, q, _ in steps]).cumsum(0).to(torch.int32).to(dev)
         return torch.cat([q for _, q, _ in steps]), bt, lens, qsl
 
-    def run(self, steps, *, impl: str = "invariant", config=None, out=None) -> list:
+    def new_kv(self, steps) -> tuple:
+        """``(key, value)`` ``(num_tokens, kv_heads, head_dim)``: the keys and values of a step's
+        new tokens (each sequence's last ``q_len`` positions) read back from the cache, token
+        by token as :func:`attention`'s ``key`` and ``value`` take them."""
+        steps = self._steps(steps)
+        bs, dev = self.block_size, self.k.device
+        pos = torch.cat([torch.arange(n - q.shape[0], n) for _, q, n in steps]).long()
+        blk = torch.cat([torch.tensor(self.tables[name], dtype=torch.long)[torch.arange(n - q.shape[0], n) // bs]
+                         for name, q, n in steps]).long()
+        blk, row = blk.to(dev), (pos % bs).to(dev)
+        return self.k[blk, row], self.v[blk, row]
+
+    def run(self, steps, *, impl: str = "invariant", config=None, out=None, new_kv: bool = False) -> list:
         """The outputs of a step, one ``(q_len, q_heads, head_dim)`` per entry of ``steps``, from
-        one :func:`attention` launch (``impl``, ``config``, ``out``: passed on)."""
+        one :func:`attention` launch (``impl``, ``config``, ``out``: passed on; ``new_kv``: pass
+        the step's own keys and values, :meth:`new_kv`, as ``key`` and ``value``)."""
         steps = self._steps(steps)
         q, bt, lens, qsl = self.args(steps)
-        o = attention(q, self.k, self.v, bt, lens, qsl, impl=impl, config=config, out=out)
+        kv = dict(zip(("key", "value"), self.new_kv(steps))) if new_kv else {}
+        o = attention(q, self.k, self.v, bt, lens, qsl, impl=impl, config=config, out=out, **kv)
         return list(o.split([st[1].shape[0] for st in steps]))
 
 
@@ -639,28 +653,40 @@ def _row_sum(p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok,
-             BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, EDGE: tl.constexpr, EVEN_D: tl.constexpr):
-    """K (as ``(D, BLOCK_N)``) and V (``(BLOCK_N, D)``) of KV tile ``t`` from the paged cache,
-    through the block table.  ``EDGE``: the tile may reach ``key_end`` (keys ``>= key_end``
-    read as zeros, their block-table entries are not read); otherwise every key of the tile is
-    below it and the loads carry no key mask."""
+def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt, s_vnt,
+             BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, EDGE: tl.constexpr, EVEN_D: tl.constexpr,
+             NEW: tl.constexpr):
+    """K (as ``(D, BLOCK_N)``) and V (``(BLOCK_N, D)``) of KV tile ``t``: from the paged cache
+    through the block table, or (``NEW``) from the step's own keys and values, which hold the
+    same values as the cache: key position ``p`` is token ``p`` of ``kn_row`` / ``vn_row``
+    (pointers already moved to the sequence's token at position 0 and the kv head), rows
+    ``s_knt`` / ``s_vnt`` apart.  Only the addresses differ, never the values.  ``EDGE``: the
+    tile may reach ``key_end`` (keys ``>= key_end`` read as zeros, neither their block-table
+    entries nor their rows are read); otherwise every key of the tile is below it and the loads
+    carry no key mask."""
     keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
     if EDGE:
         k_ok = keys < key_end
-        blk = tl.load(bt_row + keys // CACHE_BLOCK, mask=k_ok, other=0)
-        base = blk.to(tl.int64) * s_cb + (keys % CACHE_BLOCK) * s_cs + kv_off
-        kt = tl.load(kc_ptr + base[None, :] + d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
-        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    if NEW:
+        k_addr = kn_row + (keys.to(tl.int64) * s_knt)[None, :] + d[:, None]
+        v_addr = vn_row + (keys.to(tl.int64) * s_vnt)[:, None] + d[None, :]
     else:
-        blk = tl.load(bt_row + keys // CACHE_BLOCK)
-        base = blk.to(tl.int64) * s_cb + (keys % CACHE_BLOCK) * s_cs + kv_off
-        if EVEN_D:  # head_dim is its power of two: no column mask
-            kt = tl.load(kc_ptr + base[None, :] + d[:, None])
-            v = tl.load(vc_ptr + base[:, None] + d[None, :])
+        if EDGE:
+            blk = tl.load(bt_row + keys // CACHE_BLOCK, mask=k_ok, other=0)
         else:
-            kt = tl.load(kc_ptr + base[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
-            v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+            blk = tl.load(bt_row + keys // CACHE_BLOCK)
+        base = blk.to(tl.int64) * s_cb + (keys % CACHE_BLOCK) * s_cs + kv_off
+        k_addr = kc_ptr + base[None, :] + d[:, None]
+        v_addr = vc_ptr + base[:, None] + d[None, :]
+    if EDGE:
+        kt = tl.load(k_addr, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(v_addr, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:  # head_dim is its power of two: no column mask
+        kt = tl.load(k_addr)
+        v = tl.load(v_addr)
+    else:
+        kt = tl.load(k_addr, mask=d_ok[:, None], other=0.0)
+        v = tl.load(v_addr, mask=d_ok[None, :], other=0.0)
     return kt, v
 
 
@@ -752,41 +778,58 @@ def _l_row(l, LCOLS: tl.constexpr):
 
 @triton.jit
 def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit,
-                 scale, ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                 UPCAST: tl.constexpr, WIDE: tl.constexpr, LCOLS: tl.constexpr, EVEN_D: tl.constexpr):
+                 scale, kn_row, vn_row, s_knt, s_vnt, t_new, ROWS: tl.constexpr, D_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr,
+                 LCOLS: tl.constexpr, EVEN_D: tl.constexpr, NEW: tl.constexpr):
     """The fp32 state ``(m, l, acc)`` of one split: online softmax from scratch over KV tiles
     ``t_lo .. t_hi - 1`` in increasing order (the row's diagonal tile ``n_tiles - 1``, when the
-    split holds it, last).  ``WIDE``: the loop shape of the multi-token programs (``_row_state``)."""
+    split holds it, last).  ``WIDE``: the loop shape of the multi-token programs (``_row_state``);
+    with ``NEW``, tiles from ``t_new`` on (every key in the step's own chunk) are read from the
+    step's keys and values (``_tile_kv``), the ones before from the cache."""
     key_end = tl.minimum(key_stop, t_hi * BLOCK_N)  # the split's last key + 1 (loads stop there)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = _l_zeros(ROWS, LCOLS)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
     if WIDE:  # the tiles below the diagonal without masks, then the diagonal tile if the split holds it
-        for t in range(t_lo, tl.minimum(t_hi, n_tiles - 1)):
-            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
-                             False, EVEN_D)
+        t_mid = tl.minimum(t_hi, n_tiles - 1)
+        t_pg = tl.minimum(t_mid, t_new) if NEW else t_mid
+        for t in range(t_lo, t_pg):
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt,
+                             s_vnt, BLOCK_N, CACHE_BLOCK, False, EVEN_D, False)
             m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False, LCOLS)
-        for t in range(tl.maximum(t_lo, n_tiles - 1), t_hi):
-            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
-                             True, EVEN_D)
+        if NEW:
+            for t in range(tl.maximum(t_lo, t_pg), t_mid):
+                kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row,
+                                 s_knt, s_vnt, BLOCK_N, CACHE_BLOCK, False, EVEN_D, True)
+                m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False, LCOLS)
+        t_dg = tl.maximum(t_lo, n_tiles - 1)
+        for t in range(t_dg, tl.minimum(t_hi, t_new) if NEW else t_hi):
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt,
+                             s_vnt, BLOCK_N, CACHE_BLOCK, True, EVEN_D, False)
             m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, LCOLS)
+        if NEW:
+            for t in range(tl.maximum(t_dg, t_new), t_hi):
+                kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row,
+                                 s_knt, s_vnt, BLOCK_N, CACHE_BLOCK, True, EVEN_D, True)
+                m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, LCOLS)
     else:  # one loop, every tile masked
         for t in range(t_lo, t_hi):
-            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
-                             True, EVEN_D)
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt,
+                             s_vnt, BLOCK_N, CACHE_BLOCK, True, EVEN_D, False)
             m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, LCOLS)
     return m, l, acc
 
 
 @triton.jit
 def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off, s_cb, s_cs, d, d_ok, limit,
-                 scale, m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, EDGE: tl.constexpr, BRANCH: tl.constexpr,
-                 LCOLS: tl.constexpr, EVEN_D: tl.constexpr):
+                 scale, m, l, acc, m_i, l_i, acc_i, kn_row, vn_row, s_knt, s_vnt, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, EDGE: tl.constexpr,
+                 BRANCH: tl.constexpr, LCOLS: tl.constexpr, EVEN_D: tl.constexpr, NEW: tl.constexpr):
     """Tile ``t`` of the serial launch: the split state's online-softmax step, then, when the
     split is complete, it is folded into the running state (``_fold``) and the split state
     starts again."""
-    kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK, EDGE, EVEN_D)
+    kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt, s_vnt,
+                     BLOCK_N, CACHE_BLOCK, EDGE, EVEN_D, NEW)
     m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, EDGE, LCOLS)
     done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
     if BRANCH:
@@ -808,8 +851,9 @@ def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv
 
 @triton.jit
 def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
-               ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-               UPCAST: tl.constexpr, WIDE: tl.constexpr, LCOLS: tl.constexpr, EVEN_D: tl.constexpr):
+               kn_row, vn_row, s_knt, s_vnt, t_new, ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr, LCOLS: tl.constexpr,
+               EVEN_D: tl.constexpr, NEW: tl.constexpr):
     """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
     loop over the tiles below the diagonal (the loads of the next tile never wait for a split
     to close), then the diagonal tile: each split's state is built from scratch exactly as
@@ -819,11 +863,12 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
     Two loop shapes, the same operations on the kept values, so the same bits.  ``WIDE`` (the
     64-row programs of multi-token steps): the tiles below the diagonal without masks and the
     fold under a branch taken when a split closes, then the diagonal tile in a loop of its own
-    and the last split's fold after it (every row has keys: no padding tiles here);
-    otherwise (16-row decode programs) one loop masking every tile, the fold computed at every
-    tile and kept by selects.  On the H200 each shape is the faster one for its programs
-    (prefill 4k: 599 vs 873 us before either change; decode 64 x 8k: 489 vs 513 us with the
-    branch; ``results/h200/explorations/attention_loop``)."""
+    and the last split's fold after it (every row has keys: no padding tiles here); with
+    ``NEW``, each of the two loops runs in two parts: tiles before ``t_new`` from the cache,
+    from ``t_new`` on from the step's own keys and values (``_tile_kv``).  Otherwise (16-row
+    decode programs) one loop masking every tile, the fold computed at every tile and kept by
+    selects.  On the H200 each shape is the faster one for its programs
+    (``results/h200/explorations/attention_loop``)."""
     key_end = tl.minimum(key_stop, n_tiles * BLOCK_N)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = _l_zeros(ROWS, LCOLS)
@@ -832,21 +877,40 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
     l_i = _l_zeros(ROWS, LCOLS)
     acc_i = tl.zeros((ROWS, D_PAD), tl.float32)
     if WIDE:
-        for t in range(0, n_tiles - 1):
+        t_mid = n_tiles - 1
+        t_pg = tl.minimum(t_mid, t_new) if NEW else t_mid
+        for t in range(0, t_pg):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, False, True, LCOLS, EVEN_D)
-        for t in range(tl.maximum(n_tiles - 1, 0), n_tiles):  # the diagonal tile, which closes the last split
-            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, BLOCK_N, CACHE_BLOCK,
-                             True, EVEN_D)
+                                                      acc_i, kn_row, vn_row, s_knt, s_vnt, ROWS, BLOCK_N, CACHE_BLOCK,
+                                                      UPCAST, False, True, LCOLS, EVEN_D, False)
+        if NEW:
+            for t in range(tl.maximum(t_pg, 0), t_mid):
+                m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles,
+                                                          key_end, kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l,
+                                                          acc, m_i, l_i, acc_i, kn_row, vn_row, s_knt, s_vnt, ROWS,
+                                                          BLOCK_N, CACHE_BLOCK, UPCAST, False, True, LCOLS, EVEN_D,
+                                                          True)
+        t_dg = tl.maximum(t_mid, 0)
+        # the diagonal tile, which closes the last split
+        for t in range(t_dg, tl.minimum(n_tiles, t_new) if NEW else n_tiles):
+            kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt,
+                             s_vnt, BLOCK_N, CACHE_BLOCK, True, EVEN_D, False)
             m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, True,
                                            LCOLS)
+        if NEW:
+            for t in range(tl.maximum(t_dg, t_new), n_tiles):
+                kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row,
+                                 s_knt, s_vnt, BLOCK_N, CACHE_BLOCK, True, EVEN_D, True)
+                m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST,
+                                               True, LCOLS)
         m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS, not UPCAST, LCOLS)
     else:
         for t in range(0, n_tiles):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, ROWS, BLOCK_N, CACHE_BLOCK, UPCAST, True, False, LCOLS, EVEN_D)
+                                                      acc_i, kn_row, vn_row, s_knt, s_vnt, ROWS, BLOCK_N, CACHE_BLOCK,
+                                                      UPCAST, True, False, LCOLS, EVEN_D, False)
     return m, l, acc
 
 
@@ -878,10 +942,11 @@ def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BASE2: tl.constexpr, L
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr, tile_rows_ptr, tile_pos_ptr,
                        tile_split_ptr, tok_ws_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr, scale, max_splits,
                        q_heads, s_qt, s_qh, s_cb, s_cs, s_ch, s_bts, s_ot, s_oh,
+                       kn_ptr, vn_ptr, qsl_ptr, s_knt, s_knh, s_vnt, s_vnh,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_PAD: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
-                       WIDE: tl.constexpr, LCOLS: tl.constexpr):
+                       WIDE: tl.constexpr, LCOLS: tl.constexpr, NEW: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
@@ -889,7 +954,11 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
     ``acc / l``: the same operations in the same order, so the same bits, without the workspace or the merge
     launch (the launch picks the mode; the bits never depend on it).  A tile of zero tokens (a
     padding entry of a fixed-size plan) runs no loop iteration and stores nothing.
-    ``WIDE``: the loop shape of the 64-row multi-token programs (``_row_state``); work only."""
+    ``WIDE``: the loop shape of the 64-row multi-token programs (``_row_state``); work only.
+    ``NEW`` (``WIDE`` programs): the step's own keys and values ``kn``/``vn`` (token-major, as
+    written to the cache) and ``query_start_loc`` are given; the KV tiles whose keys all belong
+    to the step's chunk of the sequence are read from them instead of through the block table
+    (the same values: only the addresses differ)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -927,10 +996,19 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
         q = to_f32(q)
     bt_row = bt_ptr + seq.to(tl.int64) * s_bts
     kv_off = kvh * s_ch
+    # the step's own keys: token tok0 - pos0 + p holds key position p of the chunk, which starts
+    # at position pos0 - (tok0 - query_start_loc[seq]); tiles from t_new on lie inside it
+    if NEW:
+        tok_at0 = (tok0 - pos0).to(tl.int64)
+        kn_row = kn_ptr + tok_at0 * s_knt + kvh * s_knh
+        vn_row = vn_ptr + tok_at0 * s_vnt + kvh * s_vnh
+        t_new = (pos0 - tok0 + tl.load(qsl_ptr + seq) + BLOCK_N - 1) // BLOCK_N
+    else:
+        kn_row, vn_row, t_new = kn_ptr, vn_ptr, 0
     if SERIAL:
         m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                               d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, WIDE,
-                               LCOLS, HEAD_DIM == D_PAD)
+                               d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt, t_new, Q_TILE * QPK_PAD, D_PAD,
+                               BLOCK_N, CACHE_BLOCK, UPCAST, WIDE, LCOLS, HEAD_DIM == D_PAD, NEW)
         o = acc / _l_row(l, LCOLS)[:, None]
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
         tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -938,8 +1016,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
         t_lo = split * split_tiles
         t_hi = tl.minimum(t_lo + split_tiles, n_tiles)
         m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                                 d_ok, limit, scale, Q_TILE * QPK_PAD, D_PAD, BLOCK_N, CACHE_BLOCK, UPCAST, WIDE,
-                                 LCOLS, HEAD_DIM == D_PAD)
+                                 d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt, t_new, Q_TILE * QPK_PAD, D_PAD,
+                                 BLOCK_N, CACHE_BLOCK, UPCAST, WIDE, LCOLS, HEAD_DIM == D_PAD, NEW)
         keep = row_ok & ((rows * 0 + t_lo) < t_hi)
         # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
         w0 = (tl.load(tok_ws_ptr + tok, mask=row_ok, other=0).to(tl.int64) * q_heads + head) * max_splits
@@ -1032,6 +1110,23 @@ def _validate_tensors(q, k_cache, v_cache, block_table, seq_lens, query_start_lo
             raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
         if out.stride(2) != 1:
             raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
+
+
+def _validate_new_kv(key, value, k_cache, q) -> None:
+    """The optional new keys and values of :func:`attention`: both or neither, ``(num_tokens,
+    kv_heads, head_dim)`` in the cache's dtype on q's device, unit stride in the last dim."""
+    if (key is None) != (value is None):
+        raise ValueError("key and value must be given together (the step's new keys and values) or not at all")
+    if key is None:
+        return
+    shape = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
+    for name, t in (("key", key), ("value", value)):
+        checks.tensor(name, t, dtypes=(k_cache.dtype,), dim=3, contiguous=False)
+        checks.same_device(name, t, "q", q)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape (num_tokens, kv_heads, head_dim) = {shape}, got {tuple(t.shape)}")
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dim, got strides {t.stride()}")
 
 
 def _host_list(name, x) -> list:
@@ -1451,12 +1546,16 @@ def _pdl(device) -> bool:
     return _PDL[idx]
 
 
-def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merge: bool = True):
+def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merge: bool = True, key=None,
+           value=None, query_start_loc=None):
     """The kernel launches of :func:`attention` for a prepared plan: the split kernel over the
     multi-token tiles and over the decode tiles (each launched when it has tiles), then the
     merge (no validation, no host synchronisation: the benchmark times this, and it can be
     captured in a CUDA graph).  ``merge=False`` leaves the merge out (the output of parallel
-    launches is then unfinished): the benchmark times the split kernels alone with it."""
+    launches is then unfinished): the benchmark times the split kernels alone with it.
+    ``key``, ``value`` (the step's new keys and values as written to the cache) with
+    ``query_start_loc`` on the device: the multi-token tiles read the keys of their own chunk
+    from them (:func:`attention`)."""
     T, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     mp = plan.merge
@@ -1466,14 +1565,17 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merg
     for g in (plan.tiles, plan.decode):
         if g.seq.shape[0] == 0:
             continue
+        new = key is not None and g is plan.tiles
+        kn, vn, qsl = (key, value, query_start_loc) if new else (q, q, g.seq)
         _attn_split_kernel[(g.seq.shape[0], hkv, 1 if g.serial else mp.max_splits)](
             q, k_cache, v_cache, block_table, g.seq, g.tok, g.rows, g.pos, g.split, mp.rank,
             mp.acc, mp.ml, out, scale if INTERPRET else scale * LOG2E, mp.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-            out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1), kn, vn, qsl, *((kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
+                                                         if new else (0, 0, 0, 0)),
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=g.q_tile, BLOCK_N=plan.config.block_n, CACHE_BLOCK=bs,
             HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, WIDE=g is plan.tiles,
-            LCOLS=0 if INTERPRET or q.dtype == torch.float32 or g is plan.tiles else ROW_SUM_COLUMNS,
+            LCOLS=0 if INTERPRET or q.dtype == torch.float32 or g is plan.tiles else ROW_SUM_COLUMNS, NEW=new,
             num_warps=g.num_warps, num_stages=g.num_stages)
     if merging:
         d_blk = min(d_pad, MERGE_COLUMNS)
@@ -1490,17 +1592,26 @@ def launch(plan: AttnPlan, q, k_cache, v_cache, block_table, scale, out, *, merg
 # --------------------------------------------------------------------------------------------
 
 def attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *, scale=None, impl="invariant",
-              config=None, out=None, plan: AttnPlan | None = None) -> torch.Tensor:
+              config=None, out=None, plan: AttnPlan | None = None, key=None, value=None) -> torch.Tensor:
     """Causal GQA attention of a varlen batch over the paged cache; returns ``out``
     ``(num_tokens, q_heads, head_dim)`` in q's dtype.  See the module docstring for the
     arguments and the reduction schedule.  ``plan``: the step's :func:`make_plan` (built once
-    from host metadata, shared by the layers): then nothing is read back from the device."""
+    from host metadata, shared by the layers): then nothing is read back from the device.
+
+    ``key``, ``value``: optionally the step's new keys and values ``(num_tokens, kv_heads,
+    head_dim)`` in the cache's dtype, *exactly as written to the cache* (:func:`write_kv`).
+    The multi-token tiles then read the KV tiles that lie wholly inside their sequence's new
+    chunk from them, token-major and contiguous, instead of gathering them through the block
+    table.  The values are the same, so are the bits (the tests check it); a caller that passes
+    other values than it wrote gets other results, as with any wrong cache."""
     _validate_tensors(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, impl, out)
     T, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
+    _validate_new_kv(key, value, k_cache, q)
     scale = 1.0 / math.sqrt(d) if scale is None else checks.positive_float("scale", scale)
     if out is None:
         out = torch.empty_like(q)
+    new = {} if key is None else {"key": key, "value": value, "query_start_loc": query_start_loc}
     if plan is not None:
         if not isinstance(plan, AttnPlan):
             raise TypeError(f"plan must be None or an AttnPlan, got {type(plan).__name__}")
@@ -1510,7 +1621,7 @@ def attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *, sc
                              f"tokens, {hq}/{hkv} heads of dim {d}")
         if config is not None and _cfg(config) != plan.config:
             raise ValueError("config differs from the plan's config")
-        return launch(plan, q, k_cache, v_cache, block_table, scale, out)
+        return launch(plan, q, k_cache, v_cache, block_table, scale, out, **new)
     cfg = _cfg(config)
     lens, qsl = _host_ints("seq_lens", seq_lens), _host_ints("query_start_loc", query_start_loc)
     _check_metadata(lens, qsl, T)
@@ -1519,7 +1630,7 @@ def attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *, sc
         return (_reference if impl == "reference" else _sdpa)(q, k_cache, v_cache, block_table, lens.tolist(),
                                                               qsl.tolist(), scale, out)
     return launch(make_plan(lens, qsl, q_heads=hq, kv_heads=hkv, head_dim=d, impl=impl, config=cfg, device=q.device),
-                  q, k_cache, v_cache, block_table, scale, out)
+                  q, k_cache, v_cache, block_table, scale, out, **new)
 
 
 prefill = attention

@@ -244,9 +244,13 @@ def _attention(rec, dev):
             tag = f"{kind} seqs={len(lens)} context={lens[0]} heads={hq}/{hkv}x{d}"
             for impl in ("invariant", "variant"):
                 rec.call(f"attention {impl} {tag}", A.attention, q, kc, vc, table, seq_lens, qsl, impl=impl)
-            if kind == "prefill" and hkv == 8:
-                k = torch.empty((lens[0], hkv, d), dtype=torch.bfloat16, device=dev)
-                rec.call(f"write_kv {tag}", A.write_kv, k, k, kc, vc, A.slots(table, 0, 0, lens[0], bs))
+            if kind == "prefill":  # the step's own keys and values read in place of the cache's
+                qkv = torch.empty((lens[0], hq + 2 * hkv, d), dtype=torch.bfloat16, device=dev)
+                k, v = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]  # views of a fused projection, as in vLLM
+                rec.call(f"attention invariant {tag} key/value", A.attention, q, kc, vc, table, seq_lens, qsl,
+                         key=k, value=v)
+                if hkv == 8:
+                    rec.call(f"write_kv {tag}", A.write_kv, k, v, kc, vc, A.slots(table, 0, 0, lens[0], bs))
 
 
 def _moe(rec, dev):

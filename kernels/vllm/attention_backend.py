@@ -8,7 +8,8 @@ Pieces (vLLM's backend interface: backend class, metadata builder, implementatio
 * :class:`KitAttentionMetadataBuilder`: once per engine step (one call per KV cache group,
   shared by all its layers) builds :class:`KitAttentionMetadata`, holding the kit's launch
   plan (:func:`~batch_invariance_kit.ops.attention.make_plan`) from the step's host copies of
-  ``query_start_loc`` and ``seq_lens``: no layer reads metadata back from the device;
+  ``query_start_loc`` and ``seq_lens`` that vLLM keeps (:func:`host_seq_lens`): neither the
+  builder nor a layer reads metadata back from the device;
 * :class:`KitAttentionImpl`: per layer, writes the step's keys and values into the cache
   (``forward_includes_kv_cache_update``) and launches the kit's kernels with the step's plan.
 
@@ -88,11 +89,13 @@ except ImportError:  # pragma: no cover
     from vllm.v1.attention.backends.utils import AttentionCGSupport  # type: ignore
 
 __all__ = ["CALLS", "DecodePlanBuffers", "KitAttentionBackend", "KitAttentionMetadata",
-           "KitAttentionMetadataBuilder", "KitAttentionImpl", "decode_graph_capacity", "kv_views", "set_impl"]
+           "KitAttentionMetadataBuilder", "KitAttentionImpl", "decode_graph_capacity", "host_seq_lens", "kv_views",
+           "set_impl"]
 
 #: ``plans``: metadata builds (engine steps x KV cache groups), of which ``padded_plans`` refilled
-#: the persistent padded decode plan; ``launches``: layer calls that ran the kit's kernels outside
-#: CUDA-graph replays; ``tokens``: query tokens those calls attended
+#: the persistent padded decode plan; ``seq_lens_device_reads``: builds that found no exact host
+#: copy of ``seq_lens`` and read the device's (a wait for the GPU); ``launches``: layer calls that
+#: ran the kit's kernels outside CUDA-graph replays; ``tokens``: query tokens those calls attended
 CALLS: collections.Counter = collections.Counter()
 
 _IMPL = {"impl": "invariant"}
@@ -198,6 +201,25 @@ def decode_graph_capacity(vllm_config) -> int | None:
     if mode is None or not hasattr(mode, "decode_mode") or mode.decode_mode().name != "FULL" or not sizes:
         return None
     return min(int(max(sizes)), int(vllm_config.scheduler_config.max_num_seqs))
+
+
+#: vLLM's host copies of ``seq_lens`` in the step's ``CommonAttentionMetadata``, in the order
+#: :func:`host_seq_lens` tries them: ``seq_lens_cpu_upper_bound`` (vLLM 0.26 and 0.32: exact except
+#: for the draft tokens of speculative decoding, which it counts as accepted) and ``_seq_lens_cpu``
+#: (vLLM 0.26's V1 runner: exact; absent from 0.32)
+HOST_SEQ_LENS = ("seq_lens_cpu_upper_bound", "_seq_lens_cpu")
+
+
+def host_seq_lens(m, n_reqs: int, *, speculative: bool = False) -> torch.Tensor | None:
+    """The first ``n_reqs`` entries of the step's ``seq_lens`` from a host copy vLLM keeps in the
+    common metadata ``m`` (:data:`HOST_SEQ_LENS`), or ``None`` when it keeps no exact one.
+    ``speculative``: the engine verifies draft tokens, so the upper bound is not exact and only
+    an exact copy is taken.  The copy is a view of vLLM's buffer, read at once by the plan."""
+    for name in (HOST_SEQ_LENS[1:] if speculative else HOST_SEQ_LENS):
+        t = getattr(m, name, None)
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 1 and t.shape[0] >= n_reqs:
+            return t[:n_reqs]
+    return None
 
 
 def _parts(sizes: list) -> tuple:
@@ -318,6 +340,8 @@ class KitAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.head_size = kv_cache_spec.head_size
         self.num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        #: draft tokens are verified: vLLM's host upper bound of ``seq_lens`` is not exact
+        self.speculative = getattr(vllm_config, "speculative_config", None) is not None
         self.device = device
         self._capacity: int | None = None
         self._capacity_read = False
@@ -372,8 +396,10 @@ class KitAttentionMetadataBuilder(AttentionMetadataBuilder):
         n_reqs = m.num_reqs
         qsl_cpu = m.query_start_loc_cpu[:n_reqs + 1]
         num_tokens = int(qsl_cpu[-1])
-        # one host copy per step (a no-op when vLLM runs on the CPU), never one per layer
-        lens_cpu = m.seq_lens[:n_reqs].cpu()
+        lens_cpu = host_seq_lens(m, n_reqs, speculative=self.speculative)
+        if lens_cpu is None:  # no exact host copy (a runner without one, speculative decoding): wait for the GPU
+            CALLS["seq_lens_device_reads"] += 1
+            lens_cpu = m.seq_lens[:n_reqs].cpu()
         impl = _IMPL["impl"]
         CALLS["plans"] += 1
         capacity = self.capacity
@@ -462,12 +488,15 @@ class KitAttentionImpl(AttentionImpl):
                                "the builder's capacity only")
         n = md.num_actual_tokens
         k_cache, v_cache = kv_views(kv_cache, self.num_kv_heads, self.head_size)
+        new = {}
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             A.write_kv(key[:n], value[:n], k_cache, v_cache, md.slot_mapping[:n], check_slots=False)
+            if key.dtype == k_cache.dtype:  # the step's chunks read from the keys just written (same values)
+                new = {"key": key[:n], "value": value[:n]}
         q = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         A.attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc, scale=self.scale,
-                    impl=md.plan.impl, out=out, plan=md.plan)
+                    impl=md.plan.impl, out=out, plan=md.plan, **new)
         CALLS["launches"] += 1
         CALLS["tokens"] += n
         return output
