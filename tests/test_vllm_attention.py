@@ -153,17 +153,20 @@ def _builder(**config):
 
 class _Runner:
     """What the builder and a layer see of vLLM's GPU runner: persistent input buffers refilled in
-    place every step (int32 ``query_start_loc`` on host and device, ``seq_lens``, block table;
+    place every step (int32 ``query_start_loc`` and ``seq_lens`` on host and device (the host
+    ``seq_lens`` as ``seq_lens_cpu_upper_bound``, exact without speculative decoding; none with
+    ``host_copy=False``), block table;
     int64 slot mapping; the query, key, value and output rows) and one KV cache in vLLM's 4-D
     layer layout.  A decode batch padded to ``pad_to`` requests (a capture size) gets padding
     requests of no token and no context, zero block-table rows, slots -1 and zero token rows, as
     vLLM pads a batch that a full graph replays."""
 
-    def __init__(self, dtype=torch.float32, max_reqs=12, max_tokens=64, num_blocks=128):
+    def __init__(self, dtype=torch.float32, max_reqs=12, max_tokens=64, num_blocks=128, host_copy=True):
         i32 = dict(dtype=torch.int32, device=DEV)
-        self.dtype, self.num_blocks = dtype, num_blocks
+        self.dtype, self.num_blocks, self.host_copy = dtype, num_blocks, host_copy
         self.qsl_cpu = torch.zeros(max_reqs + 1, dtype=torch.int32)
         self.qsl = torch.zeros(max_reqs + 1, **i32)
+        self.lens_cpu = torch.zeros(max_reqs, dtype=torch.int32)
         self.lens = torch.zeros(max_reqs, **i32)
         self.bt = torch.zeros((max_reqs, -(-MAX_LEN // BS)), **i32)
         self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=DEV)
@@ -203,13 +206,15 @@ class _Runner:
         self.qsl_cpu.zero_()
         self.qsl_cpu[:R + 1] = torch.from_numpy(qsl)
         self.qsl.copy_(self.qsl_cpu)
-        self.lens.zero_()
-        self.lens[:n] = torch.tensor(lens, dtype=torch.int32)
+        self.lens_cpu.zero_()
+        self.lens_cpu[:n] = torch.tensor(lens, dtype=torch.int32)
+        self.lens.copy_(self.lens_cpu)
         self.T = T
+        host = {"seq_lens_cpu_upper_bound": self.lens_cpu[:R]} if self.host_copy else {}
         return CommonAttentionMetadata(
             query_start_loc=self.qsl[:R + 1], query_start_loc_cpu=self.qsl_cpu[:R + 1], seq_lens=self.lens[:R],
             num_reqs=R, num_actual_tokens=Tp, max_query_len=max(qls), max_seq_len=max(lens),
-            block_table_tensor=self.bt[:R], slot_mapping=self.slots[:Tp])
+            block_table_tensor=self.bt[:R], slot_mapping=self.slots[:Tp], **host)
 
     def run(self, md):
         """One layer over the buffers with ``md``: the output rows of the step's tokens.  With
@@ -342,6 +347,63 @@ def test_decode_above_capacity_or_without_full_graphs_keeps_the_exact_plan(monke
         KB.set_impl("invariant")
 
 
+class _DeviceOnly(torch.Tensor):
+    """A tensor standing for one in GPU memory: any read of its values on the host (``.cpu()``,
+    ``.to("cpu")``, ``.item()``, ``.tolist()``, ``.numpy()``, ``int()``, ``bool()``) raises,
+    as a wait for the GPU would stall a real step.  Device-side use (slicing, ``copy_``, dtype
+    conversion on the device) passes."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        to_host = name == "to" and any(a == "cpu" or a == torch.device("cpu") for a in (*args[1:], kwargs.get("device")))
+        if name in ("cpu", "item", "tolist", "numpy", "__int__", "__index__", "__bool__", "__float__") or to_host:
+            raise AssertionError(f"a host read of device metadata in the builder: Tensor.{name}")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _on_device_only(m):
+    """``m`` with its device tensors (``query_start_loc``, ``seq_lens``, block table, slot mapping)
+    as :class:`_DeviceOnly`."""
+    return m.replace(**{k: getattr(m, k).as_subclass(_DeviceOnly)
+                        for k in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping")})
+
+
+def test_builder_reads_no_device_metadata_on_the_host():
+    """Every step, decode (the padded plan) and mixed (the exact plan), is planned from vLLM's host
+    copies of ``query_start_loc`` and ``seq_lens``: the builder reads nothing of the device
+    tensors (they raise on a host read), makes the same plan as ``make_plan`` of the host lists,
+    and counts no device read.  Without vLLM's host copy of ``seq_lens`` (or with speculative
+    decoding, whose host copy is an upper bound) the builder has to read the device's: the same
+    check catches it."""
+    probe = _DeviceOnly(torch.zeros(3, dtype=torch.int32))
+    for read in (probe.cpu, probe.tolist, lambda: int(probe[0]), lambda: probe.to("cpu"), probe.numpy):
+        with pytest.raises(AssertionError, match="host read"):
+            read()
+    r, b = _Runner(), _builder()
+    before = KB.CALLS["seq_lens_device_reads"]
+    b.build_for_cudagraph_capture(_on_device_only(r.step(1, [1] * CAPACITY, [1] * CAPACITY)))
+    for seed, lens, qls, pad in ((2, [37, 100, 236], [1, 1, 1], 4), (7, [37, 20, 53, 0, 9], [1, 1, 11, 0, 9], None)):
+        md = b.build(0, _on_device_only(r.step(seed, lens, qls, pad_to=pad)))
+        assert md.persistent == (pad is not None)
+        n = pad or len(lens)
+        want = A.make_plan(lens + [0] * (n - len(lens)), [0, *np.cumsum(qls + [0] * (n - len(lens))).tolist()],
+                           q_heads=HQ, kv_heads=HKV, head_dim=D, device=DEV,
+                           **({"decode_capacity": CAPACITY, "max_seq_len": MAX_LEN} if md.persistent else {}))
+        got = [t[:w.numel()] for t, w in zip(md.plan.tensors(), want.tensors())]
+        assert all(bitwise_equal(g, w) for g, w in zip(got, want.tensors()))
+    assert KB.CALLS["seq_lens_device_reads"] == before
+    for runner, builder in ((_Runner(host_copy=False), _builder()), (_Runner(), _builder())):
+        if runner.host_copy:
+            builder.speculative = True  # the host copy counts draft tokens as accepted: not used
+        with pytest.raises(AssertionError, match="host read"):
+            builder.build(0, _on_device_only(runner.step(3, [37, 100], [1, 1], pad_to=2)))
+        md = builder.build(0, runner.step(3, [37, 100], [1, 1], pad_to=2))
+        assert bitwise_equal(runner.run(md), runner.exact([37, 100], [1, 1]))
+    assert KB.CALLS["seq_lens_device_reads"] - before == 4
+
+
 # ---------------------------------------------------------------------------------------------
 # Engine level: vLLM's CPU engine with the kit's attention in place of CPU_ATTN
 # ---------------------------------------------------------------------------------------------
@@ -396,7 +458,8 @@ def test_engine_bs1_equals_bsn_with_the_kit_attention(tmp_path):
     """vLLM's CPU engine, kit attention: every prompt's greedy tokens and fp32 log-probabilities
     alone == in a batch of five, bitwise, with chunked prefill at odd starts and a prefix-cache
     hit; the counters show the kit's kernels ran every layer of every step.  The same run with
-    the split-KV variant changes some log-probability (the negative control)."""
+    the split-KV variant changes some log-probability (the negative control).  Every step is
+    planned from vLLM's host copy of ``seq_lens`` (no read of the device's)."""
     import json
     import subprocess
     import sys
@@ -411,6 +474,7 @@ def test_engine_bs1_equals_bsn_with_the_kit_attention(tmp_path):
     res = json.loads(out.read_text())
     inv, var = res["invariant"], res["variant"]
     assert inv["calls"]["launches"] == 2 * inv["calls"]["plans"] > 0, inv["calls"]  # 2 layers per planned step
+    assert inv["calls"].get("seq_lens_device_reads", 0) == 0, "vLLM's host copy of seq_lens was not used"
     assert inv["alone"] == inv["batch"], "kit attention: a prompt's tokens/log-probabilities depend on the batch"
     assert var["calls"]["launches"] > inv["calls"]["launches"]
     assert var["alone"] != var["batch"], "the split-KV variant was expected to change a log-probability"

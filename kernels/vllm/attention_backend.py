@@ -204,18 +204,21 @@ def decode_graph_capacity(vllm_config) -> int | None:
 
 
 #: vLLM's host copies of ``seq_lens`` in the step's ``CommonAttentionMetadata``, in the order
-#: :func:`host_seq_lens` tries them: ``seq_lens_cpu_upper_bound`` (vLLM 0.26 and 0.32: exact except
-#: for the draft tokens of speculative decoding, which it counts as accepted) and ``_seq_lens_cpu``
-#: (vLLM 0.26's V1 runner: exact; absent from 0.32)
+#: :func:`host_seq_lens` tries them: ``seq_lens_cpu_upper_bound`` (vLLM 0.26 and 0.32) and
+#: ``_seq_lens_cpu`` (vLLM 0.26's V1 runner; absent from 0.32).  Both are the runner's host count
+#: of computed plus scheduled tokens: exact, but for the draft tokens of speculative decoding,
+#: which they count as accepted before the verification says how many were.
 HOST_SEQ_LENS = ("seq_lens_cpu_upper_bound", "_seq_lens_cpu")
 
 
 def host_seq_lens(m, n_reqs: int, *, speculative: bool = False) -> torch.Tensor | None:
     """The first ``n_reqs`` entries of the step's ``seq_lens`` from a host copy vLLM keeps in the
-    common metadata ``m`` (:data:`HOST_SEQ_LENS`), or ``None`` when it keeps no exact one.
-    ``speculative``: the engine verifies draft tokens, so the upper bound is not exact and only
-    an exact copy is taken.  The copy is a view of vLLM's buffer, read at once by the plan."""
-    for name in (HOST_SEQ_LENS[1:] if speculative else HOST_SEQ_LENS):
+    common metadata ``m`` (:data:`HOST_SEQ_LENS`), or ``None`` when it keeps none, or when the
+    engine verifies draft tokens (``speculative``: the host copies are upper bounds then).  The
+    copy is a view of vLLM's buffer; the plan reads it at once."""
+    if speculative:
+        return None
+    for name in HOST_SEQ_LENS:
         t = getattr(m, name, None)
         if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 1 and t.shape[0] >= n_reqs:
             return t[:n_reqs]
@@ -397,7 +400,7 @@ class KitAttentionMetadataBuilder(AttentionMetadataBuilder):
         qsl_cpu = m.query_start_loc_cpu[:n_reqs + 1]
         num_tokens = int(qsl_cpu[-1])
         lens_cpu = host_seq_lens(m, n_reqs, speculative=self.speculative)
-        if lens_cpu is None:  # no exact host copy (a runner without one, speculative decoding): wait for the GPU
+        if lens_cpu is None:  # no exact host copy (speculative decoding, a runner without one): wait for the GPU
             CALLS["seq_lens_device_reads"] += 1
             lens_cpu = m.seq_lens[:n_reqs].cpu()
         impl = _IMPL["impl"]
