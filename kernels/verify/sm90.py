@@ -244,13 +244,12 @@ def _attention(rec, dev):
             tag = f"{kind} seqs={len(lens)} context={lens[0]} heads={hq}/{hkv}x{d}"
             for impl in ("invariant", "variant"):
                 rec.call(f"attention {impl} {tag}", A.attention, q, kc, vc, table, seq_lens, qsl, impl=impl)
-            if kind == "prefill":  # the step's own keys and values read in place of the cache's
+            if kind == "prefill" and (hq, hkv) == (32, 8):  # the step's own keys and values, not the cache's
                 qkv = torch.empty((lens[0], hq + 2 * hkv, d), dtype=torch.bfloat16, device=dev)
                 k, v = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]  # views of a fused projection, as in vLLM
                 rec.call(f"attention invariant {tag} key/value", A.attention, q, kc, vc, table, seq_lens, qsl,
                          key=k, value=v)
-                if hkv == 8:
-                    rec.call(f"write_kv {tag}", A.write_kv, k, v, kc, vc, A.slots(table, 0, 0, lens[0], bs))
+                rec.call(f"write_kv {tag}", A.write_kv, k, v, kc, vc, A.slots(table, 0, 0, lens[0], bs))
 
 
 def _moe(rec, dev):
