@@ -105,6 +105,33 @@ def test_override_removed_on_exit_nesting_and_exceptions():
         O.disable()
 
 
+def test_a_subset_of_ops():
+    """``enable(ops=...)`` routes only the named ops (the vLLM plugin routes the sampler's
+    ``_log_softmax`` alone); the others keep aten's kernels; a nested call for another subset and
+    unknown names are refused, naming ``ops``."""
+    a, b = row_maker(16)(5), seeded_normal((16, 8), 3, device=DEV)
+    x = seeded_normal((4, 40), 5, device=DEV)
+    before = dict(O.call_counts)
+    O.enable(ops=("_log_softmax",))
+    try:
+        assert O.enabled_ops() == ("_log_softmax",)
+        torch.mm(a, b)
+        assert bitwise_equal(torch.log_softmax(x, dim=-1), O.log_softmax(x, -1))
+        O.enable()  # nested, no subset named: the outermost one's ops
+        O.disable()
+        with pytest.raises(ValueError, match="ops"):
+            O.enable(ops=("mm",))
+    finally:
+        O.disable()
+    assert O.enabled_ops() == ()
+    assert O.call_counts["mm"] == before.get("mm", 0) and O.call_counts["_log_softmax"] == before.get(
+        "_log_softmax", 0) + 1
+    for bad, err in ((("softmax",), ValueError), ((), ValueError), ("mm", TypeError)):
+        with pytest.raises(err, match="ops"):
+            O.enable(ops=bad)
+    assert not O.is_enabled()
+
+
 def test_unsupported_arguments_fall_back_or_raise_in_strict_mode():
     a = row_maker(16)(5)
     b = seeded_normal((16, 8), 3, device=DEV)

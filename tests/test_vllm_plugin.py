@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from batch_invariance_kit.ops import fixed_shape as FS
-from batch_invariance_kit.verify.harness import bitwise_equal
+from batch_invariance_kit.verify.harness import bitwise_equal, seeded_normal
 from batch_invariance_kit.vllm import plugin as P
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,6 +283,47 @@ print(json.dumps(out))
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["kit"] == [] and got["vllm"] != [], got
+
+
+def test_vllm_mode_switch():
+    assert P.vllm_invariant_under_kit({}) and P.vllm_invariant_under_kit({"KIT_VLLM_INVARIANT": "1"})
+    assert not P.vllm_invariant_under_kit({"KIT_VLLM_INVARIANT": "0"})
+    with pytest.raises(ValueError, match="KIT_VLLM_INVARIANT"):
+        P.vllm_invariant_under_kit({"KIT_VLLM_INVARIANT": "off"})
+    assert [p[0] for p in P.VLLM_MODE_PARTS] and all(len(p) == 3 for p in P.VLLM_MODE_PARTS)
+
+
+@pytest.mark.parametrize("kit_vllm, driver_vllm", [(None, None), (None, "1"), ("0", "1"), (None, "0")])
+def test_vllms_mode_under_kit_mode(kit_vllm, driver_vllm, monkeypatch):
+    """What the CUDA registration sets before vLLM builds its configuration: vLLM's own mode under
+    kit mode by default (``VLLM_BATCH_INVARIANT=1``, the sampler left to it); with
+    ``KIT_VLLM_INVARIANT=0`` vLLM's mode off even where a driver set it on (or the caller's own
+    ``VLLM_BATCH_INVARIANT=0``), and ``aten::_log_softmax`` (the V1 sampler's) alone routed to the
+    kit's row kernel (on the kit's device: the CPU here), whose bits a log_softmax then has."""
+    from batch_invariance_kit.ops import override as O
+
+    for k, v in (("KIT_VLLM_INVARIANT", kit_vllm), ("VLLM_BATCH_INVARIANT", driver_vllm)):
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+    monkeypatch.setattr(P, "REPLACEMENTS", {})
+    x = seeded_normal((3, 1000), 0)
+    try:
+        on = P.set_vllm_mode()
+        n = O.call_counts["_log_softmax"]
+        y = torch.log_softmax(x, -1)
+        calls, ops = O.call_counts["_log_softmax"] - n, O.enabled_ops()
+    finally:
+        while O.is_enabled():
+            O.disable()
+    alone = kit_vllm == "0" or driver_vllm == "0"
+    assert on is not alone and os.environ["VLLM_BATCH_INVARIANT"] == ("0" if alone else "1")
+    if alone:
+        assert list(P.REPLACEMENTS) == ["sampler"] and ops == ("_log_softmax",) and calls == 1
+        assert bitwise_equal(y, O.log_softmax(x, -1))
+    else:
+        assert list(P.REPLACEMENTS) == ["sampler_attention"] and ops == () and calls == 0
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM's CPU build is not installed (bash tools/kit.sh installs it)")

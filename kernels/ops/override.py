@@ -75,6 +75,7 @@ __all__ = [
     "enable",
     "disable",
     "is_enabled",
+    "enabled_ops",
     "dispatch_key",
     "call_counts",
     "fallback_counts",
@@ -384,7 +385,7 @@ def mean(x, dim=None, keepdim=False, *, dtype=None, impl="invariant"):
 # The override
 # --------------------------------------------------------------------------------------------
 
-_state = {"lib": None, "originals": {}, "strict": []}
+_state = {"lib": None, "originals": {}, "strict": [], "ops": ()}
 
 
 def dispatch_key() -> str:
@@ -467,24 +468,45 @@ _IMPLS = {"mm": _mm_impl, "addmm": _addmm_impl, "bmm": _bmm_impl,
           "_log_softmax": _log_softmax_impl, "mean.dim": _mean_impl}
 
 
-def enable(strict: bool = False) -> None:
-    """Route the ops of :data:`OVERRIDDEN` to the kit's kernels (nests: one :func:`disable`
-    per :func:`enable`).  ``strict``: raise instead of falling back to the original kernel."""
+def _ops_arg(ops) -> tuple:
+    if ops is None:
+        return OVERRIDDEN
+    if isinstance(ops, str) or not all(isinstance(o, str) for o in ops):
+        raise TypeError(f"ops must be a sequence of op names from {list(OVERRIDDEN)}, got {ops!r}")
+    bad = [o for o in ops if o not in OVERRIDDEN]
+    if bad or not ops:
+        raise ValueError(f"ops must be a non-empty subset of {list(OVERRIDDEN)}, got {list(ops)!r}")
+    return tuple(o for o in OVERRIDDEN if o in ops)
+
+
+def enable(strict: bool = False, ops=None) -> None:
+    """Route the ops of :data:`OVERRIDDEN` (or the subset ``ops``) to the kit's kernels (nests:
+    one :func:`disable` per :func:`enable`; a nested call routes the ops of the outermost one
+    and refuses another subset).  ``strict``: raise instead of falling back to the original
+    kernel."""
+    names = _ops_arg(ops)
     if _state["lib"] is None:
         key = dispatch_key()
         get_kernel = getattr(torch.library, "get_kernel", None)
-        originals = {op: get_kernel(f"aten::{op}", key) for op in OVERRIDDEN} if get_kernel else {}
+        originals = {op: get_kernel(f"aten::{op}", key) for op in names} if get_kernel else {}
         lib = torch.library.Library("aten", "IMPL")
         try:
             with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
                 warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-                for op, fn in _IMPLS.items():
-                    lib.impl(op, fn, key, with_keyset=True)
+                for op in names:
+                    lib.impl(op, _IMPLS[op], key, with_keyset=True)
         except Exception:
             lib._destroy()
             raise
-        _state.update(lib=lib, originals=originals)
+        _state.update(lib=lib, originals=originals, ops=names)
+    elif ops is not None and names != _state["ops"]:
+        raise ValueError(f"ops {list(names)} differ from the active override's {list(_state['ops'])}")
     _state["strict"].append(bool(strict))
+
+
+def enabled_ops() -> tuple:
+    """The aten ops the active override routes to the kit's kernels (``()`` when inactive)."""
+    return _state["ops"] if _state["lib"] is not None else ()
 
 
 def disable() -> None:
@@ -494,7 +516,7 @@ def disable() -> None:
     _state["strict"].pop()
     if not _state["strict"]:
         lib = _state["lib"]
-        _state.update(lib=None, originals={})
+        _state.update(lib=None, originals={}, ops=())
         lib._destroy()
 
 

@@ -46,6 +46,29 @@ CUDA (vLLM 0.26)
     ``VLLM_BATCH_INVARIANT=1`` unless the caller set it: vLLM's own mode then covers the sampler's
     ``log_softmax`` and, when another attention backend is chosen, attention.
 
+    **The kit alone**: with ``KIT_VLLM_INVARIANT=0`` the plugin sets ``VLLM_BATCH_INVARIANT=0``
+    in its process (before vLLM builds its configuration; the engine's processes inherit it),
+    whatever a driver put there; a caller's own ``VLLM_BATCH_INVARIANT=0`` does the same.  What
+    vLLM 0.26's own mode does on an sm_90 GPU, and what of it the kit needs
+    (:data:`VLLM_MODE_PARTS`):
+
+    * ``aten::_log_softmax`` (and softmax, ``mean.dim``, ``bmm``) through ``torch.library``: the
+      sampler of vLLM's V1 model runner takes log-probabilities with ``log_softmax``; the plugin
+      routes that op alone to the kit's row-wise kernel (:mod:`batch_invariance_kit.ops.override`,
+      ``enable(ops=("_log_softmax",))``).  vLLM's V2 model runner (the one 0.26 runs for Qwen3 on
+      a GPU) computes them in its own kernel, one program per row over fixed 1024-wide chunks:
+      invariant by construction, no override needed.  No other of these ops runs in the models'
+      forward (norms, GEMMs, MoE and attention are the kit's);
+    * ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE`` (no split-K in cuBLAS) and TF32 off:
+      for cuBLAS GEMMs, and every GEMM of an unquantized model is the kit's (``KIT_LINEAR=0`` puts
+      vLLM's back: then vLLM's mode is needed);
+    * attention: FlashAttention with ``num_splits=1``, cascade attention off, the AOT scheduler
+      off; the kit's backend has none of these (one plan per step from the sequence lengths, no
+      cascade), so **the kit alone needs the kit's attention** (``CUSTOM``): with vLLM's
+      FlashAttention and its own mode off, decode splits the KV sequence by the batch;
+    * the fused-MoE config pinned: the kit's MoE replaces vLLM's; NCCL settings and custom
+      all-reduce off: tensor parallelism, outside this plugin's scope.
+
 Compiled mode (vLLM's default: torch.compile, and CUDA graphs on a GPU) and eager mode
 (``enforce_eager=True``) run the same replacements: everything that runs in the model's forward
 is a torch custom op of :mod:`batch_invariance_kit.ops.custom_ops` (``cpu_linear``,
@@ -83,6 +106,8 @@ ENV_TILE_M = "KIT_TILE_M"
 ENV_LINEAR = "KIT_LINEAR"
 #: ``KIT_MOE=0`` leaves vLLM's MoE method in place (the other replacements still apply).
 ENV_MOE = "KIT_MOE"
+#: ``KIT_VLLM_INVARIANT=0``: on CUDA, kit mode without vLLM's own batch-invariant mode under it.
+ENV_VLLM_INVARIANT = "KIT_VLLM_INVARIANT"
 #: Rows per GEMM tile on the CPU (``KIT_TILE_M`` overrides it).
 TILE_M = 16
 REPORT_INTERVAL_S = 1.0
@@ -108,6 +133,24 @@ REPLACEMENT_TABLE = (
      "vLLM's batch-invariant log_softmax (VLLM_BATCH_INVARIANT=1)"),
 )
 
+#: What vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, vLLM 0.26 on an sm_90 GPU)
+#: does, and whether the kit alone needs it: ``(part, what it covers, what kit mode does without it)``.
+VLLM_MODE_PARTS = (
+    ("torch.library overrides of aten::_log_softmax, softmax, mean.dim, bmm",
+     "the V1 runner's sampler log-probabilities (log_softmax); nothing else in a Qwen3/Llama forward",
+     "the kit routes aten::_log_softmax to ops.override.log_softmax; the V2 runner's own logprob kernel is "
+     "one program per row (invariant by construction)"),
+    ("CUBLAS_WORKSPACE_CONFIG=:16:8, CUBLASLT_WORKSPACE_SIZE=1, TF32 and reduced-precision reductions off",
+     "cuBLAS GEMMs (no split-K)",
+     "not needed: every unquantized linear layer and the lm_head run ops.matmul.linear (KIT_LINEAR=0: needed)"),
+    ("FlashAttention num_splits=1, cascade attention off, AOT scheduling off",
+     "vLLM's attention backends",
+     "needed with vLLM's attention; the kit's backend (CUSTOM) plans splits from the sequence lengths alone"),
+    ("fused-MoE config pinned (BLOCK 64x64x32, no split-K)", "vLLM's fused MoE",
+     "not needed: the kit's MoE method replaces it (KIT_MOE=0: needed)"),
+    ("NCCL settings, custom all-reduce off", "tensor parallelism", "outside the plugin's scope (one GPU)"),
+)
+
 #: Calls of each replacement in this process.
 CALLS: dict = {}
 #: What :func:`register` installed in this process (name -> description).
@@ -123,6 +166,15 @@ def enabled(environ=None) -> bool:
     value = (os.environ if environ is None else environ).get(ENV_SWITCH, "0")
     if value not in ("0", "1", ""):
         raise ValueError(f"{ENV_SWITCH} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def vllm_invariant_under_kit(environ=None) -> bool:
+    """Whether kit mode on CUDA runs vLLM's own batch-invariant mode under it:
+    ``KIT_VLLM_INVARIANT`` ``1`` (the default) or ``0`` (the kit alone)."""
+    value = (os.environ if environ is None else environ).get(ENV_VLLM_INVARIANT, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_VLLM_INVARIANT} must be 0 or 1, got {value!r}")
     return value == "1"
 
 
@@ -332,9 +384,7 @@ def _register_cuda() -> None:
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
-    REPLACEMENTS["sampler_attention"] = ("vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1): the sampler's "
-                                         "log_softmax, and attention unless the kit's backend is selected")
+    set_vllm_mode()
     from ..ops import custom_ops  # noqa: F401  (registers the kit's custom ops before vLLM compiles)
 
     if os.environ.get(ENV_LINEAR, "1") != "0":
@@ -362,6 +412,28 @@ def _register_cuda() -> None:
         register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
         REPLACEMENTS["attention"] = (f"{ATTENTION_BACKEND} registered as CUSTOM "
                                      "(selected with attention_config={'backend': 'CUSTOM'})")
+
+
+def set_vllm_mode() -> bool:
+    """vLLM's own batch-invariant mode under kit mode (CUDA), in this process's environment, which
+    the engine's processes inherit: ``VLLM_BATCH_INVARIANT=1`` unless the caller set it, ``0`` with
+    ``KIT_VLLM_INVARIANT=0``.  Off, the kit stands alone: the sampler's ``aten::_log_softmax`` runs
+    the kit's row-wise kernel (:mod:`batch_invariance_kit.ops.override`; :data:`VLLM_MODE_PARTS`
+    says what else vLLM's mode would do).  Returns whether vLLM's mode is on."""
+    if not vllm_invariant_under_kit():
+        os.environ["VLLM_BATCH_INVARIANT"] = "0"
+    value = os.environ.setdefault("VLLM_BATCH_INVARIANT", "1").strip()
+    if not (value.isdigit() and int(value) == 0):  # vLLM reads bool(int(value))
+        REPLACEMENTS["sampler_attention"] = ("vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1): the sampler's "
+                                             "log_softmax, and attention unless the kit's backend is selected")
+        return True
+    from ..ops import override
+
+    if "_log_softmax" not in override.enabled_ops():
+        override.enable(ops=("_log_softmax",))
+    REPLACEMENTS["sampler"] = ("aten::_log_softmax = ops.override.log_softmax (the kit's row-wise kernel; "
+                               "vLLM's own batch-invariant mode is off)")
+    return False
 
 
 def register_linear_layers() -> list:
