@@ -23,6 +23,7 @@ from batch_invariance_kit.ops import moe as MOE
 from batch_invariance_kit.ops import rms_norm as RN
 from batch_invariance_kit.vllm import check as V
 from batch_invariance_kit.vllm import plugin as P
+from batch_invariance_kit.vllm import records as RC
 from batch_invariance_kit.vllm import runner as R
 from fake_engine import FakeEngine
 
@@ -49,7 +50,8 @@ def test_args_defaults_and_plan_order():
     (["--out", "x", "--attention-backend", "FLASHINFER"], "--attention-backend"),
     (["--out", "x", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     ([], "--out"),
-    (["--out", "x", "--attention-backend", "CUSTOM"], "--modes kit"),
+    (["--out", "x", "--attention-backend", "CUSTOM"], "--modes kit\\+attention"),
+    (["--out", "x", "--models", "deepseek", "--modes", "kit+attention"], "MLA"),
 ])
 def test_args_errors_name_the_argument(argv, needle):
     with pytest.raises(ValueError, match=needle):
@@ -73,16 +75,14 @@ def test_imports_without_vllm_and_help():
 # ----------------------------------------------------------------------------- prompts
 
 def test_prompts_are_deterministic():
-    assert V.random_prompt(50, 3) == V.random_prompt(50, 3) != V.random_prompt(50, 4)
-    p = V.random_prompt(1000, 9)
-    assert len(p) == 1000 and min(p) >= 2 and max(p) < V.VOCAB
-    assert len(V.target_prompt()) == V.TARGET_LEN and len(V.needle_prompt()) == V.NEEDLE_LEN
-    with pytest.raises(ValueError, match="length"):
-        V.random_prompt(0, 1)
+    assert RC.random_prompt(50, 3) == RC.random_prompt(50, 3) != RC.random_prompt(50, 4)
+    p = RC.random_prompt(1000, 9)
+    assert len(p) == 1000 and min(p) >= 2 and max(p) < RC.VOCAB
+    assert len(RC.TARGET.tokens()) == 100 and len(RC.NEEDLE.tokens()) == 257
 
 
 def test_batch_with():
-    tgt = V.target_prompt()
+    tgt = RC.TARGET.tokens()
     a = V.batch_with(tgt, 33, seed=7)
     assert a == V.batch_with(tgt, 33, seed=7)
     prompts, news, pos = a
@@ -111,17 +111,21 @@ def test_worker_job():
     by = {e["name"]: e for e in job["experiments"]}
     assert list(by) == list(V.EXPERIMENTS) and all(by[n]["estimate_s"] == V.EXPERIMENT_S[n] for n in by)
     bs, needle = by["bs"], by["needle"]
-    assert bs["targets"] == [V.target_prompt()] and [len(b["order"]) for b in bs["batches"]] == list(V.BATCH_SIZES[1:])
-    assert needle["targets"] == [V.needle_prompt()] and len(needle["batches"]) == 4
+    assert bs["targets"] == [RC.TARGET.tokens()] and [len(b["order"]) for b in bs["batches"]] == list(V.BATCH_SIZES[1:])
+    assert needle["targets"] == [RC.NEEDLE.tokens()] and len(needle["batches"]) == 4
     assert all(64 <= len(b["order"]) <= 128 for b in needle["batches"])
     # each batch is the driver's batch_with: the target at its place among the same fillers
-    prompts, news, pos = V.batch_with(V.target_prompt(), 33, seed=133)
+    prompts, news, pos = V.batch_with(RC.TARGET.tokens(), 33, seed=133)
     b = bs["batches"][1]
     assert b["seed"] == 133 and b["order"][pos] == ["t", 0]
     assert [bs["fillers"][i] for k, i in b["order"] if k == "f"] == [p for j, p in enumerate(prompts) if j != pos]
     assert by["decode_vs_prefill"]["of"] == "bs" and len(by["throughput"]["prompts"]) == 256
     quick = {e["name"]: e for e in V.experiments(quick=True)}
     assert len(quick["needle"]["batches"]) == 2 and len(quick["throughput"]["prompts"]) == 64
+    # the mode names the attention: the kit's in kit+attention, vLLM's choice for an MLA model
+    assert V.worker_job(a, "dense", "kit+attention", 1.0, exps)["engine"]["attention_backend"] == "CUSTOM"
+    assert V.worker_job(a, "deepseek", "kit", 1.0, exps)["engine"]["attention_backend"] is None
+    assert V.worker_job(a, "deepseek", "default", 1.0, exps)["engine"]["eager"] is False
 
 
 def _run_worker(job, out, *, calls=None, **kw):
@@ -135,86 +139,98 @@ def _run_worker(job, out, *, calls=None, **kw):
 
 
 @pytest.mark.parametrize("variant", [False, True])
-def test_results_from_the_worker(tmp_path, variant):
+def test_rows_from_the_worker(tmp_path, variant):
     a = V.parse_args(["--out", str(tmp_path), "--quick"])
     _run_worker(V.worker_job(a, "dense", "invariant", 1.0, V.experiments(quick=True)), tmp_path / "p.json",
                 variant=variant)
     part = json.loads((tmp_path / "p.json").read_text())
-    ex = V.experiment_results(part)
-    bs, nd, dp, tp = (ex[n] for n in V.EXPERIMENTS)
-    assert bs["batch_sizes"] == list(V.BATCH_SIZES) and len(bs["bs1_tokens"]) == V.NEW_TOKENS
-    assert [r["batch_size"] for r in bs["runs"]] == list(V.BATCH_SIZES[1:]) and bs["all_equal"] is (not variant)
-    assert all(r["prompt_tokens_in_batch"] > V.TARGET_LEN for r in bs["runs"])
-    assert nd["n"] == 3 and nd["unique_logprob_sequences"] == (3 if variant else 1) and len(nd["trials"]) == 2
-    assert dp["positions"] == V.NEW_TOKENS and (dp["equal_positions"] == V.NEW_TOKENS) is (not variant)
-    assert dp["prompt_len"] == V.TARGET_LEN and dp["last_token_equal"]
-    assert tp["prompts"] == 64 and tp["output_tokens"] == 64 * 64
-    rows, checks = V.rows_and_checks([{**part, "experiments": ex}], [{"model": "dense", "mode": "invariant"}])
-    assert [r["op"] for r in rows] == [f"vllm_{n}" for n in V.EXPERIMENTS]
+    bs, nd, dp, tp = V.part_rows(part)
+    assert (type(bs), type(nd), type(dp), type(tp)) == (RC.BsRow, RC.NeedleRow, RC.DecodeVsPrefillRow, RC.ThroughputRow)
+    assert bs.batch_sizes == list(V.BATCH_SIZES) and len(bs.bs1_tokens) == V.NEW_TOKENS and bs.target_len == 100
+    assert [r.batch_size for r in bs.runs] == list(V.BATCH_SIZES[1:]) and bs.all_equal is (not variant)
+    assert all(r.prompt_tokens_in_batch > 100 for r in bs.runs)
+    assert nd.n == 3 and nd.unique_logprob_sequences == (3 if variant else 1) and len(nd.trials) == 2
+    assert dp.positions == V.NEW_TOKENS and (dp.equal_positions == V.NEW_TOKENS) is (not variant)
+    assert dp.prompt_len == 100 and dp.last_token_equal
+    assert tp.prompts == 64 and tp.output_tokens == 64 * 64
+    rows, checks = V.rows_and_checks([part], [{"model": "dense", "mode": "invariant"}])
+    assert [r.op for r in rows] == [f"vllm_{n}" for n in V.EXPERIMENTS]
     assert len(checks) == 3 and all(c["passed"] is (not variant) for c in checks)
+    # the rows go to JSON and read back as the same records
+    back = RC.read({"provenance": {}, "rows": [RC.to_dict(r) for r in rows], "checks": checks})
+    assert back.rows == rows
+
+
+def test_a_malformed_part_names_the_field(tmp_path):
+    a = V.parse_args(["--out", str(tmp_path), "--quick"])
+    _run_worker(V.worker_job(a, "dense", "kit", 1.0, V.experiments(quick=True)), tmp_path / "p.json")
+    part = json.loads((tmp_path / "p.json").read_text())
+    part["experiments"]["bs"]["batches"][1]["requests"] = "33"
+    with pytest.raises(ValueError, match=r"^x\.experiments\.bs\.batches\[1\]\.requests: expected int"):
+        V.part_rows(part, "x")
+    del part["experiments"]["bs"]["alone"]
+    with pytest.raises(ValueError, match=r"x\.experiments\.bs: missing field 'alone'"):
+        V.part_rows(part, "x")
+    with pytest.raises(ValueError, match=r"x\.mode: expected str"):
+        V.part_rows({"model": "dense"}, "x")
 
 
 # ----------------------------------------------------------------------------- merge
 
-def _part(model, mode, *, bs_equal=True, unique=1, dvp_equal=True, calls=None, status="done"):
-    runs = [{"batch_size": n, "tokens_equal": True, "logprobs_equal": bs_equal,
-             "max_abs_diff": 0.0 if bs_equal else 0.03} for n in V.BATCH_SIZES[1:]]
-    swapped = {"RMSNorm": "KitRMSNorm", "moe": "KitMoEMethod"} if mode == "kit" else None
-    return {"model": model, "mode": mode, "status": status, "init_s": 30.0, "swapped": swapped,
-            "engine": {"enforce_eager": mode == "kit"}, "kit_calls": calls or {},
-            "experiments": {
-                "bs": {"runs": runs, "all_equal": bs_equal},
-                "needle": {"n": 5, "unique_token_sequences": 1, "unique_logprob_sequences": unique},
-                "decode_vs_prefill": {"positions": 48, "equal_positions": 48 if dvp_equal else 40,
-                                      "max_abs_diff": 0.0 if dvp_equal else 0.01},
-                "throughput": {"error": "Traceback ...: boom"}}}
+def _part(tmp_path, model, mode, *, variant=False, calls=None):
+    """A worker's document of (model, mode): the stand-in engine, batch-variant or not."""
+    a = V.parse_args(["--out", str(tmp_path), "--quick"])
+    out = tmp_path / f"{model}__{mode}.json"
+    _run_worker(V.worker_job(a, model, mode, 1.0, V.experiments(quick=True)), out, variant=variant, calls=calls)
+    doc = json.loads(out.read_text())
+    if mode in RC.KIT_MODES:
+        doc["swapped"] = {"RMSNorm": "KitRMSNorm", "moe": "KitMoEMethod"}
+    doc["experiments"]["throughput"] = {"error": "Traceback ...: boom", "seconds": 1.0}
+    return doc
 
 
 def _checks_by_suffix(checks, label):
-    return {c["name"]: c for c in checks if c["name"].startswith(label)}
+    return {c["name"]: c for c in checks if c["name"].startswith(label + ":")}
 
 
-def test_rows_and_checks():
-    parts = [_part("dense", "default", bs_equal=False, unique=3, dvp_equal=False),
-             _part("dense", "invariant"),
-             _part("moe", "invariant", bs_equal=False),
-             _part("moe", "kit", calls={"rms_norm": 10, "fused_add_rms_norm": 20, "moe": 5})]
-    for r in parts[-1]["experiments"].values():  # per-experiment counters: the MoE one stayed 0
-        r["kit_calls"] = {"rms_norm": 3, "fused_add_rms_norm": 6, "moe": 0}
+def test_rows_and_checks(tmp_path):
+    parts = [_part(tmp_path, "dense", "default", variant=True), _part(tmp_path, "dense", "invariant"),
+             _part(tmp_path, "moe", "invariant", variant=True),
+             _part(tmp_path, "moe", "kit", calls={"rms_norm": 3, "fused_add_rms_norm": 6, "moe": 0})]
     jobs = [{"model": p["model"], "mode": p["mode"], "status": "ran"} for p in parts]
     jobs.append({"model": "dense", "mode": "kit", "status": "skipped", "skipped": "budget: 12 s left"})
     rows, checks = V.rows_and_checks(parts, jobs)
     assert len(rows) == 4 * len(V.EXPERIMENTS)
-    assert {r["op"] for r in rows} == {f"vllm_{e}" for e in V.EXPERIMENTS}
-    assert all(r["impl"] in V.MODES and r["model"] in V.MODEL_NAMES for r in rows)
-    assert any("error" in r for r in rows if r["op"] == "vllm_throughput")
+    assert {r.op for r in rows} == {f"vllm_{e}" for e in V.EXPERIMENTS}
+    assert all(r.impl in RC.MODES and r.model in V.MODEL_NAMES for r in rows)
+    failed = [r for r in rows if isinstance(r, RC.FailedRow)]
+    assert len(failed) == 4 and all(r.op == "vllm_throughput" and "boom" in r.error for r in failed)
     d = list(_checks_by_suffix(checks, "dense default").values())
-    assert all(c["informational"] for c in d) and d[0]["differs"] is True and d[0]["max_abs_diff"] == 0.03
+    assert len(d) == 3 and all(c["informational"] and not c["passed"] for c in d) and d[0]["max_abs_diff"] > 0
     di = _checks_by_suffix(checks, "dense invariant")
-    assert len(di) == 3 and all(c["passed"] for c in di.values())
+    assert len(di) == 3 and all(c["passed"] and not c["informational"] for c in di.values())
     mi = _checks_by_suffix(checks, "moe invariant")
-    assert [c["passed"] for c in mi.values()] == [False, True, True]
-    mk = [c for c in checks if c["name"].startswith("moe kit") and "kit's kernels" in c["name"]]
-    assert len(mk) == 1 and mk[0]["passed"] is False  # the MoE counter stayed 0
+    assert [c["passed"] for c in mi.values()] == [False, False, False]
+    mk = [c for c in checks if c["name"].startswith("moe kit:") and "replacements ran" in c["name"]]
+    assert len(mk) == 1 and mk[0]["passed"] is False and "moe" in mk[0]["name"]  # the MoE counter stayed 0
     dk = _checks_by_suffix(checks, "dense kit")
-    assert list(dk.values()) == [{"name": "dense kit: the worker produced results", "passed": False,
-                                  "reason": "budget: 12 s left"}]
+    assert list(dk.values()) == [{"name": "dense kit: the engine ran the experiments", "passed": False,
+                                  "informational": False, "reason": "budget: 12 s left"}]
 
 
-def test_rows_and_checks_failed_init_and_partial_worker():
+def test_rows_and_checks_failed_init_and_partial_worker(tmp_path):
     init_failed = {"model": "dense", "mode": "invariant", "status": "init_failed", "experiments": {}}
-    partial = {"model": "moe", "mode": "invariant", "status": "initialized",
-               "experiments": {"bs": {"runs": [], "all_equal": True}}}
+    partial = _part(tmp_path, "moe", "invariant")
+    partial["status"] = "initialized"
+    for name in ("needle", "decode_vs_prefill", "throughput"):
+        del partial["experiments"][name]
     jobs = [{"model": "dense", "mode": "invariant", "status": "ran"}, {"model": "moe", "mode": "invariant",
                                                                        "status": "ran"}]
     rows, checks = V.rows_and_checks([init_failed, partial], jobs)
     assert checks[0]["passed"] is False and checks[0]["reason"] == "init_failed"
-    names = [c["name"] for c in checks[1:]]
-    by = {c["name"]: c for c in checks[1:]}
-    assert by[names[0]]["passed"] is True                      # bs ran and was equal
-    assert by[names[1]]["passed"] is False                     # needle missing: not a pass
-    assert by[names[2]]["passed"] is False                     # decode/prefill missing: not a pass
-    assert any(r.get("missing") for r in rows)
+    assert [c["passed"] for c in checks[1:]] == [True, False, False]  # bs ran and was equal; the others missing
+    assert checks[2]["reason"] == "the worker stopped before this experiment"
+    assert sum(isinstance(r, RC.FailedRow) and r.missing is not None for r in rows) == 3
 
 
 # ----------------------------------------------------------------------------- driver / budget
@@ -361,7 +377,7 @@ def test_driver_retries_moe_kit_without_the_moe_swap(tmp_path):
     assert len(envs) == 2 and envs[1]["KIT_MOE"] == "0" and job["retried_without_moe_swap"]
     assert all(e["KIT_BATCH_INVARIANT"] == "1" and e["VLLM_BATCH_INVARIANT"] == "1" for e in envs)
     assert "kit MoE" in job["first_attempt"]["errors"][0]["traceback"] and job["rc"] == 0
-    kit = [c for c in saved[-1] if "kit's kernels" in c["name"]]
+    kit = [c for c in saved[-1] if "replacements ran" in c["name"]]
     assert len(kit) == 1 and kit[0]["passed"] and "moe" not in kit[0]["name"].split("> 0:")[1]
 
 
@@ -373,44 +389,100 @@ def test_model_path_argument(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
     a = V.parse_args(["--model", str(tmp_path)])
     assert a.out == os.path.join("results", "local", "vllm") and a.modes == ["default", "invariant", "kit"]
-    spec = V.user_spec(str(tmp_path), gpu=False)          # no tokenizer: random ids below vocab_size
-    assert len(spec["targets"]) == 2 and all(2 <= t < 300 for p in spec["targets"] + spec["fillers"] for t in p)
-    assert [b["fillers"] + 2 for b in spec["batches"]] == [9, 33, 33, 33]
+    spec = V.user_spec(str(tmp_path), gpu=False)          # no tokenizer: the checks' prompts below vocab_size
+    assert spec["targets"] == [RC.TARGET.tokens(300), RC.NEEDLE.tokens(300)]
+    assert all(2 <= t < 300 for p in spec["targets"] + spec["fillers"] for t in p)
+    assert [(b["fillers"] + 2, b["role"]) for b in spec["batches"]] == [(9, "bs"), (33, "bs")] + [(33, "needle")] * 2
     assert spec == V.user_spec(str(tmp_path), gpu=False)
 
 
-def _doc(mode, *, shift=0.0, tokens_flip=False, status="done"):
+SPEC = {"targets": [[1] * 64, [2] * 200],
+        "batches": [{"fillers": 7, "seed": 109, "role": "bs"}, {"fillers": 31, "seed": 133, "role": "bs"},
+                    {"fillers": 31, "seed": 800, "role": "needle"}]}
+
+
+def _doc(mode, *, shift=0.0, tokens_flip=False):
+    """A run_mode document of the user_spec shape: 2 targets in 2 bs batches and a needle trial."""
     alone = [{"tokens": [5, 6, 7], "logprobs": [-1.0, -2.0, -0.5], "text": "a"},
              {"tokens": [8, 9, 9], "logprobs": [-0.25, -1.5, -3.0], "text": "b"}]
+
     def moved(c):
         return {"tokens": [c["tokens"][0], 99 if tokens_flip else c["tokens"][1], c["tokens"][2]],
                 "logprobs": [x + shift for x in c["logprobs"]], "text": "c"}
-    batches = [{"seed": s, "requests": n, "positions": [0, 1], "targets": [moved(alone[0]), moved(alone[1])]}
-               for s, n in ((109, 9), (133, 33), (V.NEEDLE_SEED, 33))]
-    doc = {"status": status, "mode": mode, "seconds": 50.0, "init_s": 20.0, "alone": alone, "batches": batches,
-           "decode_vs_prefill": [{"target": 0, "decode": [-1.0, -2.0, -0.5], "prefill": [-1.0, -2.0 + shift, -0.5],
-                                  "last_token_equal": True}]}
-    if mode == "kit":
+    batches = [{"seed": b["seed"], "requests": b["fillers"] + 2, "positions": [0, 1], "prompt_tokens": 400,
+                "seconds": 0.5, "targets": [moved(alone[0]), moved(alone[1])]} for b in SPEC["batches"]]
+    doc = {"status": "done", "mode": mode, "seconds": 50.0, "init_s": 20.0, "alone": alone, "alone_s": 1.0,
+           "batches": batches,
+           "decode_vs_prefill": [{"target": 0, "prompt_len": 64, "decode": [-1.0, -2.0, -0.5],
+                                  "prefill": [-1.0, -2.0 + shift, -0.5], "last_token_equal": True}]}
+    if mode in RC.KIT_MODES:
         doc["plugin"] = {"calls": {"linear": 10, "rms_norm": 3}}
     return doc
 
 
-def test_user_checks_and_verdict():
+def test_user_rows_checks_and_verdict():
     docs = {"default": _doc("default", shift=2 ** -10, tokens_flip=True),
             "invariant": {"status": "init_failed", "seconds": 9.0, "error": "Traceback\nTypeError: boom"},
-            "kit": _doc("kit")}
-    rows, checks = V.user_checks(docs, "cpu")
-    kit = [c for c in checks if c["name"].startswith("kit")]
-    assert len(kit) == 4 and all(c["passed"] and not c.get("informational") for c in kit)
-    default = [c for c in checks if c["name"].startswith("default")]
-    assert all(c["informational"] and not c["passed"] for c in default)
-    inv = [c for c in checks if c["name"].startswith("invariant")]
-    assert inv[0]["informational"] and "TypeError: boom" in inv[0]["reason"]     # CPU: vLLM's mode cannot run
-    assert V.user_checks(docs, "cuda")[1][3]["informational"] is False            # on a GPU it must
-    page = V.verdict_page("m", "cpu", "0.32.0", rows, checks)
-    assert "kit: batch-invariant" in page and "default: NOT batch-invariant" in page
-    assert "invariant: did not run" in page and page.count("bs33") == 2   # one per mode that ran: the needle trial is no bs run
-    assert "bs9: tokens differ" in page and "3 of 3 positions" in page
+            "kit": _doc("kit"), "kit+attention": _doc("kit+attention")}
+    rows, checks = V.user_rows("m", docs, SPEC, "cpu")
+    bs = [r for r in rows if isinstance(r, RC.BsRow)]
+    assert [r.impl for r in bs] == ["default", "kit", "kit+attention"]
+    assert bs[0].batch_sizes == [1, 9, 33] and bs[0].target_len == 64       # the bs batches only
+    nd = [r for r in rows if isinstance(r, RC.NeedleRow)][0]
+    assert nd.n == 4 and nd.needle_len == 200 and nd.unique_logprob_sequences == 2  # alone + every batch
+    for mode in RC.KIT_MODES:
+        kit = [c for c in checks if c["name"].startswith(f"m {mode}:")]
+        assert len(kit) == 4 and all(c["passed"] and not c.get("informational") for c in kit)
+    default = [c for c in checks if c["name"].startswith("m default:")]
+    assert len(default) == 3 and all(c["informational"] and not c["passed"] for c in default)
+    inv = [c for c in checks if c["name"].startswith("m invariant:")]
+    assert len(inv) == 1 and inv[0]["informational"] and inv[0]["reason"] == "TypeError: boom"  # CPU: cannot run
+    assert not V.user_rows("m", docs, SPEC, "cuda")[1][3]["informational"]           # on a GPU it must
+    runs = {mode: {"status": d["status"], "seconds": d["seconds"]} for mode, d in docs.items()}
+    page = V.verdict_page("vLLM 0.32.0 on cpu: m", "m", rows, checks, runs)
+    assert "kit: batch-invariant" in page and "kit+attention: batch-invariant" in page
+    assert "default: NOT batch-invariant" in page and "invariant: did not run" in page
+    assert page.count("bs33") == 3 and "bs9: tokens differ" in page and "3 of 3 positions" in page
     # the kit's counters must show that its replacements ran
     docs["kit"]["plugin"] = {"calls": {"rms_norm": 3}}
-    assert not [c for c in V.user_checks(docs, "cpu")[1] if "replacements ran" in c["name"]][0]["passed"]
+    assert not [c for c in V.user_rows("m", docs, SPEC, "cpu")[1] if c["name"].startswith("m kit: the kit's")][0]["passed"]
+    # a malformed document names the field
+    docs["kit"]["batches"][0]["targets"][1]["logprobs"] = [-0.25]
+    with pytest.raises(ValueError, match=r"kit document\.batches\[0\]\.targets\[1\]: 3 tokens but 1 logprobs"):
+        V.user_rows("m", docs, SPEC, "cpu")
+
+
+# ----------------------------------------------------------------------------- DeepSeek through the check
+
+def test_deepseek_builds_and_goes_through_the_check(tmp_path, capsys):
+    """The DeepSeek model (the CPU shape) is built, saved with its kit_seed and the routing keys vLLM
+    reads, reused by its config, and planned, launched and merged like the other models (the
+    worker with the stand-in engine: vLLM's CPU build runs the model in default mode, about 45 s,
+    but its kit mode stops in the kit's CPU MoE, which has no shared experts)."""
+    a = _args(tmp_path, "--models", "deepseek", "--modes", "default,kit,kit+attention", "--quick")
+    assert V.plan(a.models, a.modes) == [("deepseek", "default"), ("deepseek", "kit")]
+    assert V.run_build(a) == 0 and "built and saved" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "models" / "deepseek" / "config.json").read_text())
+    assert saved["architectures"] == ["DeepseekV3ForCausalLM"] and saved["kv_lora_rank"] + saved["qk_rope_head_dim"] == 320
+    assert saved["kit_seed"] == V.deepseek_shape(False).seed and saved["topk_method"] == "noaux_tc"
+    assert V.run_build(a) == 0 and "reusing" in capsys.readouterr().out            # same config, same seed
+    assert not V.saved_model(tmp_path / "models" / "deepseek", {**V.want_config("deepseek", False), "kit_seed": 99})
+    envs = []
+
+    def launch(kind, cmd, env, timeout, log):
+        if kind == "build":
+            return {"rc": 0}
+        job = _job_of(cmd)
+        assert job["engine"]["attention_backend"] is None                          # MLA: vLLM's choice
+        envs.append(env)
+        _run_worker(job, cmd[cmd.index("--out") + 1], calls={"rms_norm": 1, "fused_add_rms_norm": 1, "moe": 1})
+        return {"rc": 0, "seconds": 1.0}
+
+    extra = V.run_driver(a, launch=launch, clock=FakeClock())
+    assert "MLA" in extra["plan"]["not_applicable"][0] and [j["status"] for j in extra["jobs"]] == ["ran", "ran"]
+    assert P.ENV_MOE not in envs[1]                                                # experts: the MoE swap stays on
+    doc = json.loads((tmp_path / "out" / "vllm_check.json").read_text())
+    res = RC.read(doc)
+    assert res.keys() == [("deepseek", "default"), ("deepseek", "kit")] and len(res.rows) == 2 * len(V.EXPERIMENTS)
+    kit = [c for c in doc["checks"] if c["name"].startswith("deepseek kit:")]
+    assert len(kit) == 4 and all(c["passed"] for c in kit)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from batch_invariance_kit.vllm import online as O
+from batch_invariance_kit.vllm import records as RC
 
 TESTS = Path(__file__).resolve().parent
 
@@ -34,17 +35,32 @@ def test_parse_choice_keeps_the_literals_and_join():
         O.parse_choice({"logprobs": {"tokens": ["token_id:1"], "token_logprobs": [], "top_logprobs": [None]}})
 
 
+def test_a_malformed_reply_names_the_field():
+    ok = {"text": "a", "logprobs": {"tokens": ["token_id:5"], "token_logprobs": ["-1.0"], "top_logprobs": [None]}}
+    assert O.first_choice({"choices": [ok], "usage": {}}).tokens == (5,)      # fields it does not read: ignored
+    with pytest.raises(ValueError, match=r"^r\.choices: expected a non-empty list"):
+        O.first_choice({"object": "error", "message": "boom"}, "r")
+    bad = {**ok, "logprobs": {**ok["logprobs"], "token_logprobs": [-1.0]}}     # a float: not parsed as a literal
+    with pytest.raises(ValueError, match=r"^r\.choices\[0\]\.logprobs\.token_logprobs\[0\]: expected str"):
+        O.first_choice({"choices": [bad]}, "r")
+    bad = {**ok, "logprobs": {**ok["logprobs"], "tokens": ["token_id:x"]}}
+    with pytest.raises(ValueError, match=r"^r\.choices\[0\]\.logprobs\.tokens\[0\]: expected a 'token_id:N'"):
+        O.first_choice({"choices": [bad]}, "r")
+    with pytest.raises(ValueError, match=r"^r\.choices\[0\]\.logprobs: expected an object"):
+        O.first_choice({"choices": [{"logprobs": []}]}, "r")
+
+
 def test_compare_is_bitwise_on_the_literals():
     a = O.Answer((1, 2, 3), ("-0.5", "-1.25", "-2.0"), ((), (), ()))
-    c = O.compare(a, a)
+    c = O.compare_answers(a, a)
     assert c.bitwise and c.first_token_diff is None and c.first_logprob_diff is None and c.max_abs_diff == 0.0
     b = O.Answer((1, 2, 3), ("-0.5", "-1.2500001", "-2.0"), ((), (), ()))
-    c = O.compare(a, b)
+    c = O.compare_answers(a, b)
     assert c.tokens_equal and not c.logprobs_equal and not c.bitwise and c.first_logprob_diff == 1
     assert 0 < c.max_abs_diff < 1e-6
-    c = O.compare(a, O.Answer((1, 2), ("-0.5", "-1.25"), ((), ())))   # shorter: a difference
+    c = O.compare_answers(a, O.Answer((1, 2), ("-0.5", "-1.25"), ((), ())))   # shorter: a difference
     assert not c.tokens_equal and c.first_token_diff == 2 and c.first_logprob_diff == 2
-    top = O.compare(a, O.Answer(a.tokens, a.logprobs, (((4, "-3.0"),), (), ())))
+    top = O.compare_answers(a, O.Answer(a.tokens, a.logprobs, (((4, "-3.0"),), (), ())))
     assert top.tokens_equal and top.logprobs_equal and not top.top_equal and not top.bitwise
 
 
@@ -67,6 +83,10 @@ def test_plan_is_seeded_and_checked():
         O.Plan(targets=[[1]], clients=0)
     with pytest.raises(ValueError, match="prompt_len"):
         O.Plan(targets=[[1]], prompt_len=(5, 2))
+    named = O.Plan(targets=[[3, 4, 5], [6, 7]], names=("target", "needle"), clients=1, per_client=1)
+    assert {q.name for q in named.round(0)} >= {"target", "needle", "stream", "cancel"}
+    with pytest.raises(ValueError, match="names"):
+        O.Plan(targets=[[1], [2]], names=("stream", "x"))
 
 
 def test_server_env_and_command():
@@ -102,11 +122,12 @@ def test_experiment_against_a_stand_in_server(tmp_path, variant):
     assert stats["aborted"] == 1 and res["healthy_after"]     # the cancelled stream, and the server went on
     r = res["rounds"][0]
     assert r["cancelled"]["cancelled"] and r["cancelled"]["tokens"] == 2 < r["cancelled"]["max_tokens"]
-    assert sorted(t["name"] for t in r["targets"]) == ["stream", "t0", "t1"]
-    assert all(t["in_flight_beside"] > 0 for t in r["targets"])
-    kit = {c["name"].split(": ", 1)[1]: c for c in O.checks("kit", res, platform="cpu",
+    loaded = [c for c in res["copies"] if c["round"] == 0]
+    assert sorted(c["name"] for c in loaded) == ["stream", "t0", "t1"] and res["copies"][-1]["round"] == "after"
+    assert all(c["in_flight_beside"] > 0 for c in loaded)
+    kit = {c["name"].split(": ", 1)[1]: c for c in O.checks("m", "kit", res, platform="cpu",
                                                            plugin_calls={"linear": 1, "rms_norm": 1})}
-    default = O.checks("default", res, platform="cuda")
+    default = O.checks("m", "default", res, platform="cuda")
     assert len(kit) == 5 and default[0]["copies"] == 3
     if variant:   # the same checks catch a batch-variant server
         assert not kit[next(k for k in kit if k.startswith("2 target copies"))]["passed"]
@@ -115,7 +136,9 @@ def test_experiment_against_a_stand_in_server(tmp_path, variant):
         assert all(c["passed"] for c in kit.values()), kit
         assert not default[0]["passed"] and not default[0]["differs"]
     rows = O.rows_of("kit", "m", res)
-    assert [x["round"] for x in rows] == [0, 0, 0, "after"] and all(x["op"] == "vllm_online" for x in rows)
+    assert [x.round for x in rows] == [0, 0, 0, "after"] and all(isinstance(x, RC.OnlineRow) for x in rows)
+    back = RC.read({"provenance": {}, "rows": [RC.to_dict(x) for x in rows], "checks": []})
+    assert back.rows == rows and all(x.compared.bitwise is (not variant) for x in rows[:3])
 
 
 def test_server_that_exits_or_hangs(tmp_path):
@@ -130,10 +153,10 @@ def test_server_that_exits_or_hangs(tmp_path):
 
 
 def test_checks_of_a_server_that_did_not_start():
-    (c,) = O.checks("kit", {"error": "RuntimeError: the server exited with code 1\nValueError: no memory"},
+    (c,) = O.checks("m", "kit", {"error": "RuntimeError: the server exited with code 1\nValueError: no memory"},
                     platform="cpu")
-    assert not c["passed"] and not c["informational"] and c["reason"] == "ValueError: no memory"
-    (c,) = O.checks("default", {"error": "boom"}, platform="cpu")
+    assert not c["passed"] and not c["informational"] and c["error"] == "ValueError: no memory"
+    (c,) = O.checks("m", "default", {"error": "boom"}, platform="cpu")
     assert not c["passed"] and c["informational"]
 
 
@@ -170,6 +193,6 @@ def test_kit_server_is_bitwise_under_concurrent_clients(tmp_path):
                   vocab=tok.vocab_size)
     res = O.run_mode(model, "kit", plan, tmp_path, eager=True, gpu=False, start_timeout_s=420, timeout_s=300)
     assert not res.get("error"), res.get("error")
-    cs = O.checks("kit", res, platform="cpu", plugin_calls=(res.get("plugin") or {}).get("calls"))
+    cs = O.checks("smollm2", "kit", res, platform="cpu", plugin_calls=(res.get("plugin") or {}).get("calls"))
     assert len(cs) == 5 and all(c["passed"] for c in cs), cs
     assert res["server"]["exit_code"] is not None and res["rounds"][0]["neighbours"]["sent"] == 9

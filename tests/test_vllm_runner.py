@@ -1,7 +1,8 @@
 """CPU tests of :mod:`batch_invariance_kit.vllm.runner`, the one vLLM engine worker, without vLLM.
 
-The modes' environments, the process-group kill on timeout (a real subprocess), the checks
-(bitwise comparison, distinct completions, decode vs prefill), the spec and job validation, the
+The modes' environments, the process-group kill on timeout (a real subprocess), decode vs
+prefill (the bitwise comparison and the distinct completions are :mod:`batch_invariance_kit.vllm.records`',
+``tests/test_vllm_records.py``), the spec and job validation, the
 worker's experiment loop (a stand-in engine: ``tests/fake_engine.py``: results, a failing
 experiment, a failing engine, the deadline, a save after every experiment) and :func:`run_mode`'s
 document from a worker process.  A real vLLM engine runs the same worker in
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from batch_invariance_kit.vllm import records as RC
 from batch_invariance_kit.vllm import runner as R
 from fake_engine import FakeEngine
 
@@ -26,12 +28,18 @@ def test_mode_env():
     env = R.mode_env("default", {"VLLM_BATCH_INVARIANT": "1", "KIT_PLUGIN_REPORT": "/x", "PATH": "/bin"}, gpu=False)
     assert "VLLM_BATCH_INVARIANT" not in env and "KIT_PLUGIN_REPORT" not in env and env["PATH"] == "/bin"
     assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert R.mode_env("vllm-invariant", {}) == R.mode_env("invariant", {})
+    assert R.MODES == RC.MODES                                  # one name per mode
+    with pytest.raises(ValueError, match="mode"):
+        R.mode_env("vllm-invariant", {})
+    # kit+attention: the kit's environment; on the CPU the kit's attention under the interpreter
+    assert R.mode_env("kit+attention", {}, gpu=True) == R.mode_env("kit", {}, gpu=True)
+    cpu = R.mode_env("kit+attention", {}, gpu=False)
+    assert cpu["KIT_ATTENTION"] == "1" and cpu["TRITON_INTERPRET"] == "1" and "KIT_ATTENTION" not in R.mode_env("kit", {})
     assert R.mode_env("invariant", {})["VLLM_BATCH_INVARIANT"] == "1"
     # kit: vLLM's own mode under the plugin on a GPU only (vLLM's CPU build cannot run it)
     assert R.mode_env("kit", {}, gpu=True)["VLLM_BATCH_INVARIANT"] == "1"
     assert "VLLM_BATCH_INVARIANT" not in R.mode_env("kit", {}, gpu=False)
-    assert [R.mode_env(m, {}, gpu=True)["KIT_BATCH_INVARIANT"] for m in R.MODES] == ["0", "0", "1"]
+    assert [R.mode_env(m, {}, gpu=True)["KIT_BATCH_INVARIANT"] for m in R.MODES] == ["0", "0", "1", "1"]
     assert all("VLLM_ALLOW_INSECURE_SERIALIZATION" not in R.mode_env(m, {}, gpu=True) for m in R.MODES)
     with pytest.raises(ValueError, match="mode"):
         R.mode_env("fast", {})
@@ -47,32 +55,6 @@ def test_run_process_kills_the_group_on_timeout(tmp_path):
 
 
 # ----------------------------------------------------------------------------- checks
-
-def test_compare():
-    t, lp = [5, 6, 7], [-1.5, -2.25, -0.125]
-    c = R.compare(t, lp, list(t), list(lp))
-    assert c["tokens_equal"] and c["logprobs_equal"] and c["logprobs_unequal"] == 0 and c["max_abs_diff"] == 0.0
-    assert c["first_token_diff"] is None and c["first_logprob_diff"] is None
-    lp2 = [-1.5, -2.25 + 2 ** -20, -0.125]
-    c = R.compare(t, lp, t, lp2)
-    assert c["tokens_equal"] and not c["logprobs_equal"] and c["first_logprob_diff"] == 1
-    assert c["logprobs_unequal"] == 1 and c["max_abs_diff"] == 2 ** -20
-    c = R.compare(t, lp, [5, 9, 7], lp)
-    assert not c["tokens_equal"] and c["first_token_diff"] == 1 and c["logprobs_equal"]
-    c = R.compare(t, lp, t[:2], lp[:2])  # a shorter completion is a difference
-    assert not c["tokens_equal"] and c["first_token_diff"] == 2 and c["logprobs_unequal"] == 1
-    nan = float("nan")
-    assert not R.compare([1], [nan], [1], [nan])["logprobs_equal"]
-
-
-def test_distinct():
-    a = ([1, 2], [-0.5, -0.25])
-    b = ([1, 2], [-0.5, -0.25 - 2 ** -30])
-    d = R.distinct([a, a, b])
-    assert d == {"n": 3, "unique_token_sequences": 1, "unique_logprob_sequences": 2}
-    assert R.distinct([a, a])["unique_logprob_sequences"] == 1
-    assert R.distinct([a, ([3, 2], [-0.5, -0.25])])["unique_token_sequences"] == 2
-
 
 def test_decode_vs_prefill():
     r = R.decode_vs_prefill([-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0])
@@ -223,8 +205,8 @@ def test_run_mode_and_summarize(tmp_path, monkeypatch, variant):
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr(R, "worker_command", lambda m, j, o: _fake_worker(m, j, o, variant=variant))
     spec = R.make_spec(TARGETS, FILLERS, max_tokens=4, orders=(0, 1), decode_vs_prefill=2, max_model_len=64)
-    doc = R.run_mode(tmp_path, "vllm-invariant", spec, timeout=120)
-    assert doc["status"] == "done" and doc["rc"] == 0 and doc["mode"] == "vllm-invariant", doc.get("log_tail")
+    doc = R.run_mode(tmp_path, "invariant", spec, timeout=120)
+    assert doc["status"] == "done" and doc["rc"] == 0 and doc["mode"] == "invariant", doc.get("log_tail")
     assert set(R.TARGET_RESULTS) <= set(doc) and "experiments" not in doc and "error" not in doc
     assert doc["mode_env"]["VLLM_BATCH_INVARIANT"] == "1" and doc["llm_kwargs"]["kv_cache_gib"] == 1.0
     s = R.summarize(doc)

@@ -9,7 +9,8 @@ vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs), one per mode, a
     python -m batch_invariance_kit.vllm.online --model PATH --out DIR               # a local HF folder
     python -m batch_invariance_kit.vllm.online --models dense,moe --out DIR         # the kit's models (check.py)
 
-Per mode (:data:`MODES`; the environment is :func:`batch_invariance_kit.vllm.runner.mode_env`'s):
+Per mode (:data:`batch_invariance_kit.vllm.records.MODES`, the offline check's; the environment is
+:func:`batch_invariance_kit.vllm.runner.mode_env`'s):
 
 1. the server is started on a free loopback port in its own process group, its log kept in
    ``DIR/logs/``; ready when ``/health`` and ``/v1/models`` answer; stopped by SIGTERM to the
@@ -23,17 +24,25 @@ Per mode (:data:`MODES`; the environment is :func:`batch_invariance_kit.vllm.run
 4. **after**: ``/health`` and the first target once more, alone: the server still serves, and
    the same bits.
 
-Every completion is compared with the target's answer alone, **bitwise**: token ids, and the
-log-probabilities as the JSON numbers the server sent (each kept as its literal text, so two
-values are equal only when the server printed the same float: a float32 printed by Python's
-``repr`` of its float64, which is exact), the sampled token's and the top ``k``'s.  A run records
-how many other requests were in flight beside each target (by the client's clock): a target that
-overlapped none proves nothing, and the check says so.
+Every completion is compared with the target's answer alone, **bitwise**
+(:func:`batch_invariance_kit.vllm.records.compare`, the offline check's comparison): token ids,
+and the log-probabilities as the JSON numbers the server sent (each kept as its literal text, so
+two values are equal only when the server printed the same float: a float32 printed by Python's
+``repr`` of its float64, which is exact), the sampled token's and the top ``k``'s.  A server's
+reply is read into typed records (:class:`batch_invariance_kit.vllm.records.Choice`): a malformed
+one is an error naming the field.  A run records how many other requests were in flight beside
+each target (by the client's clock): a target that overlapped none proves nothing, and the check
+says so.
 
-Kit mode must be bitwise everywhere; default mode is the negative control (it must differ somewhere
-on a GPU; on vLLM's CPU build the result is recorded as informational).  The results are one JSON
-file with provenance, ``DIR/vllm_online.json`` (:mod:`batch_invariance_kit.report.results`'
-shape, rows and checks, plus ``plan`` and ``servers``).
+The targets of the kit's random-weight models are the offline check's prompts, chosen by their
+seeds: :data:`~batch_invariance_kit.vllm.records.TARGET` and the
+:data:`~batch_invariance_kit.vllm.records.NEEDLE` first (:func:`plan_for`).
+
+The kit's modes must be bitwise everywhere; default mode is the negative control (it must differ
+somewhere on a GPU; on vLLM's CPU build the result is recorded as informational).  The results are
+one JSON file with provenance, ``DIR/vllm_online.json`` (:mod:`batch_invariance_kit.report.results`'
+shape; its rows are :class:`batch_invariance_kit.vllm.records.OnlineRow` records, plus ``plan`` and
+``servers``).
 
 The pure-Python parts (the plan, the parsing of the server's answers, the comparisons, the checks)
 run without vLLM (``tests/test_vllm_online.py``, against a stand-in server); chapter 7 runs the
@@ -52,13 +61,14 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..checks import positive_int
+from . import records as RC
 from . import runner as R
+from .records import Comparison, OnlineRow, compare
 
-MODES = ("default", "invariant", "kit")
 #: The endpoint every request goes to (token-id prompts; ``return_tokens_as_token_ids``).
 ENDPOINT = "/v1/completions"
 #: A server that does not answer ``/health`` within this many seconds of its start is given up.
@@ -82,21 +92,6 @@ class Answer:
     top: tuple
     text: str = ""
     finish_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """An answer against the reference one (the target alone)."""
-    tokens_equal: bool
-    logprobs_equal: bool
-    top_equal: bool
-    first_token_diff: int | None
-    first_logprob_diff: int | None
-    max_abs_diff: float
-
-    @property
-    def bitwise(self) -> bool:
-        return self.tokens_equal and self.logprobs_equal and self.top_equal
 
 
 @dataclass(frozen=True)
@@ -126,25 +121,35 @@ class Sent:
     error: str | None = None
 
 
-def token_id(entry: str) -> int:
+def token_id(entry: str, where: str = "token") -> int:
     """``"token_id:123"`` (``return_tokens_as_token_ids``) -> 123."""
-    if not (isinstance(entry, str) and entry.startswith("token_id:")):
-        raise ValueError(f"expected a 'token_id:N' token (return_tokens_as_token_ids), got {entry!r}")
-    return int(entry.split(":", 1)[1])
+    if not (isinstance(entry, str) and entry.startswith("token_id:") and entry[9:].isdigit()):
+        raise ValueError(f"{where}: expected a 'token_id:N' token (return_tokens_as_token_ids), got {entry!r}")
+    return int(entry[9:])
 
 
-def parse_choice(choice: dict) -> Answer:
+def parse_choice(choice, where: str = "choices[0]") -> Answer:
     """An :class:`Answer` from one ``choices[i]`` of a completion (or the tokens of one streamed
-    chunk), parsed with ``parse_float=str``: the log-probabilities stay the server's literals."""
-    lp = choice.get("logprobs") or {}
-    toks = lp.get("tokens") or []
-    values = lp.get("token_logprobs") or []
-    tops = lp.get("top_logprobs") or [None] * len(toks)
-    if not (len(toks) == len(values) == len(tops)):
-        raise ValueError(f"logprobs: {len(toks)} tokens, {len(values)} token_logprobs, {len(tops)} top_logprobs")
-    top = tuple(tuple(sorted((token_id(k), str(v)) for k, v in (t or {}).items())) for t in tops)
-    return Answer(tokens=tuple(token_id(t) for t in toks), logprobs=tuple(str(v) for v in values), top=top,
-                  text=choice.get("text") or "", finish_reason=choice.get("finish_reason"))
+    chunk), parsed with ``parse_float=str``: the log-probabilities stay the server's literals.  A
+    malformed choice raises ``ValueError`` naming the field (``where`` is its path)."""
+    c = RC.parse(RC.Choice, choice, where, extra="ignore")
+    lp = c.logprobs or RC.ReplyLogprobs(tokens=[], token_logprobs=[])
+    tops = lp.top_logprobs if lp.top_logprobs is not None else [None] * len(lp.tokens)
+    if not (len(lp.tokens) == len(lp.token_logprobs) == len(tops)):
+        raise ValueError(f"{where}.logprobs: {len(lp.tokens)} tokens, {len(lp.token_logprobs)} token_logprobs, "
+                         f"{len(tops)} top_logprobs")
+    top = tuple(tuple(sorted((token_id(k, f"{where}.logprobs.top_logprobs[{i}]"), v) for k, v in (t or {}).items()))
+                for i, t in enumerate(tops))
+    return Answer(tokens=tuple(token_id(t, f"{where}.logprobs.tokens[{i}]") for i, t in enumerate(lp.tokens)),
+                  logprobs=tuple(lp.token_logprobs), top=top, text=c.text or "", finish_reason=c.finish_reason)
+
+
+def first_choice(reply, where: str = "reply") -> Answer:
+    """The :class:`Answer` of a completion's (or a streamed chunk's) JSON body: its ``choices[0]``."""
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    if not (isinstance(choices, list) and choices):
+        raise ValueError(f"{where}.choices: expected a non-empty list, got {choices!r}")
+    return parse_choice(choices[0], f"{where}.choices[0]")
 
 
 def join(parts: list) -> Answer:
@@ -154,18 +159,9 @@ def join(parts: list) -> Answer:
                   finish_reason=next((p.finish_reason for p in reversed(parts) if p.finish_reason), None))
 
 
-def _first(a, b) -> int | None:
-    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return i if i is not None or len(a) == len(b) else min(len(a), len(b))
-
-
-def compare(ref: Answer, got: Answer) -> Comparison:
-    """``got`` against ``ref``, bitwise (log-probabilities as the server's literals)."""
-    diffs = [abs(float(x) - float(y)) for x, y in zip(ref.logprobs, got.logprobs)]
-    return Comparison(tokens_equal=ref.tokens == got.tokens, logprobs_equal=ref.logprobs == got.logprobs,
-                      top_equal=ref.top == got.top, first_token_diff=_first(ref.tokens, got.tokens),
-                      first_logprob_diff=_first(ref.logprobs, got.logprobs),
-                      max_abs_diff=max(diffs, default=0.0) if all(map(math.isfinite, diffs)) else math.inf)
+def compare_answers(ref: Answer, got: Answer) -> Comparison:
+    """``got`` against ``ref``, bitwise (log-probabilities as the server's literals, top-k too)."""
+    return compare(ref.tokens, ref.logprobs, got.tokens, got.logprobs, ref.top, got.top)
 
 
 def overlaps(sent: list, name: str) -> int:
@@ -184,7 +180,8 @@ class Plan:
     tokens; ``rounds`` load rounds of ``clients`` other clients, each sending ``per_client``
     requests with prompts of ``prompt_len`` tokens and ``new_tokens`` outputs (inclusive ranges)
     from ``window_s`` seconds of random start times; ``top_logprobs``: the ``k`` of every
-    request's ``logprobs``; ``vocab``: the neighbours' token ids are drawn below it."""
+    request's ``logprobs``; ``vocab``: the neighbours' token ids are drawn below it; ``names``:
+    the targets' request names (default ``t0``, ``t1``, ...)."""
     targets: tuple
     max_tokens: int = 16
     clients: int = 8
@@ -196,6 +193,7 @@ class Plan:
     top_logprobs: int = 5
     vocab: int = 32768
     seed: int = 0
+    names: tuple = ()
 
     def __post_init__(self):
         if not self.targets or not all(isinstance(t, (list, tuple)) and t and all(
@@ -210,6 +208,12 @@ class Plan:
         if not (isinstance(self.window_s, (int, float)) and math.isfinite(self.window_s) and self.window_s > 0):
             raise ValueError(f"window_s must be a positive number of seconds, got {self.window_s!r}")
         object.__setattr__(self, "targets", tuple(tuple(t) for t in self.targets))
+        names = tuple(self.names) or tuple(f"t{i}" for i in range(len(self.targets)))
+        if len(names) != len(self.targets) or len(set(names)) != len(names) or not all(
+                isinstance(n, str) and n and n not in ("stream", "cancel") and not n.startswith("c") for n in names):
+            raise ValueError(f"names must give each target its own name (not 'stream', 'cancel' or c...), "
+                             f"got {self.names!r}")
+        object.__setattr__(self, "names", names)
 
     @property
     def max_model_len(self) -> int:
@@ -217,7 +221,7 @@ class Plan:
         return longest + 16
 
     def round(self, r: int) -> list:
-        """The requests of load round ``r``: every neighbour, every target once (``t<i>``), a
+        """The requests of load round ``r``: every neighbour, every target once (by its name), a
         streamed copy of target ``r % len(targets)`` (``stream``) and a cancelled streamed neighbour
         (``cancel``, cancelled after 2 chunks), at seeded times in ``[0, window_s]``."""
         rng = random.Random(self.seed * 1000 + r)
@@ -231,7 +235,8 @@ class Plan:
                                     rng.randint(*self.new_tokens), at=round(at, 3)))
                 at += rng.uniform(0, w / (2 * self.per_client))
         for i, t in enumerate(self.targets):
-            reqs.append(Request(f"t{i}", t, self.max_tokens, at=round(rng.uniform(0.1 * w, 0.9 * w), 3), target=i))
+            reqs.append(Request(self.names[i], t, self.max_tokens, at=round(rng.uniform(0.1 * w, 0.9 * w), 3),
+                                target=i))
         s = r % len(self.targets)
         reqs.append(Request("stream", self.targets[s], self.max_tokens, at=round(rng.uniform(0.1 * w, 0.9 * w), 3),
                             stream=True, target=s))
@@ -261,7 +266,7 @@ async def send(client, req: Request, model: str, top_logprobs: int, t0: float) -
         if not req.stream:
             r = await client.post(ENDPOINT, json=body(req, model, top_logprobs))
             r.raise_for_status()
-            s.answer = parse_choice(json.loads(r.text, parse_float=str)["choices"][0])
+            s.answer = first_choice(json.loads(r.text, parse_float=str), f"the reply to {req.name}")
         else:
             parts = []
             async with client.stream("POST", ENDPOINT, json=body(req, model, top_logprobs)) as r:
@@ -270,8 +275,8 @@ async def send(client, req: Request, model: str, top_logprobs: int, t0: float) -
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:], parse_float=str)
-                    if chunk.get("choices"):
-                        parts.append(parse_choice(chunk["choices"][0]))
+                    if isinstance(chunk, dict) and chunk.get("choices"):
+                        parts.append(first_choice(chunk, f"chunk {len(parts)} of {req.name}"))
                         s.chunks += bool(parts[-1].tokens)
                     if req.cancel_after is not None and s.chunks >= req.cancel_after:
                         s.cancelled = True
@@ -318,7 +323,7 @@ def server_env(mode: str, *, gpu: bool, report_dir=None, base: dict | None = Non
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if not gpu:
         env["TRITON_INTERPRET"] = "1"
-    if report_dir is not None and R.canonical_mode(mode) == "kit":
+    if report_dir is not None and RC.check_mode(mode) in RC.KIT_MODES:
         env["KIT_PLUGIN_REPORT"] = str(report_dir)
     return env
 
@@ -424,100 +429,96 @@ class Server:
 # One server's experiment, and its checks
 # ---------------------------------------------------------------------------------------------
 
-def _cmp_row(ref: Answer | None, s: Sent, overlap: int | None = None) -> dict:
-    row = {"name": s.name, "start_s": round(s.start, 3), "end_s": round(s.end, 3), "error": s.error}
-    if overlap is not None:
-        row["in_flight_beside"] = overlap
-    if ref is not None and s.answer is not None:
-        row.update(asdict(compare(ref, s.answer)), tokens=len(s.answer.tokens))
-    return row
+def _copy(ref: Answer | None, s: Sent, rnd, overlap: int | None = None) -> dict:
+    """One compared copy of a target: the fields of its :class:`~batch_invariance_kit.vllm.records.OnlineRow`."""
+    return {"round": rnd, "name": s.name, "start_s": round(s.start, 3), "end_s": round(s.end, 3), "error": s.error,
+            "in_flight_beside": overlap, "tokens": len(s.answer.tokens) if s.answer else None,
+            "compared": compare_answers(ref, s.answer) if ref is not None and s.answer is not None else None}
 
 
 def experiment(base_url: str, plan: Plan, *, timeout_s: float = 600.0, healthy=None) -> dict:
     """The experiment of one running server: the targets alone, ``plan.rounds`` load rounds, the
-    first target after them.  ``healthy()``: is the server still serving (default: ``/health``)."""
+    first target after them.  ``healthy()``: is the server still serving (default: ``/health``).
+    Returns ``alone`` (each target's answer), ``copies`` (every compared copy of a target, the
+    one ``after`` the rounds last), ``rounds`` (per round: its requests, the cancelled neighbour, the
+    neighbours' errors) and ``healthy_after``."""
     import httpx
 
     model = "model"
     k = plan.top_logprobs
-    alone = [one(base_url, model, Request(f"t{i}", t, plan.max_tokens, target=i), k, timeout_s)
+    alone = [one(base_url, model, Request(plan.names[i], t, plan.max_tokens, target=i), k, timeout_s)
              for i, t in enumerate(plan.targets)]
     refs = [s.answer for s in alone]
-    rounds = []
+    rounds, copies = [], []
     for r in range(plan.rounds):
         reqs = plan.round(r)
         t1 = time.monotonic()
         sent = asyncio.run(run_requests(base_url, model, reqs, k, timeout_s))
         by = {q.name: q for q in reqs}
-        rows = [_cmp_row(refs[by[s.name].target], s, overlaps(sent, s.name)) for s in sent
-                if by[s.name].target is not None]
+        copies += [_copy(refs[by[s.name].target], s, r, overlaps(sent, s.name)) for s in sent
+                   if by[s.name].target is not None]
         cancel = next(s for s in sent if s.name == "cancel")
         neighbours = [s for s in sent if by[s.name].target is None]
-        rounds.append({"round": r, "seconds": time.monotonic() - t1, "requests": len(reqs), "targets": rows,
+        rounds.append({"round": r, "seconds": time.monotonic() - t1, "requests": len(reqs),
                        "cancelled": {"name": cancel.name, "cancelled": cancel.cancelled, "chunks": cancel.chunks,
                                      "tokens": len(cancel.answer.tokens) if cancel.answer else 0,
                                      "max_tokens": by["cancel"].max_tokens, "error": cancel.error},
                        "neighbours": {"sent": len(neighbours), "errors": [s.error for s in neighbours if s.error],
                                       "cancelled": sum(s.cancelled for s in neighbours)}})
     health = (healthy or (lambda: httpx.get(base_url + "/health", timeout=5).status_code == 200))()
-    after = one(base_url, model, Request("t0", plan.targets[0], plan.max_tokens, target=0), k, timeout_s)
+    after = one(base_url, model, Request(plan.names[0], plan.targets[0], plan.max_tokens, target=0), k, timeout_s)
+    copies.append(_copy(refs[0], after, "after"))
     return {"alone": [{"name": s.name, "error": s.error, "seconds": s.end - s.start,
                        **({"tokens": list(s.answer.tokens), "logprobs": list(s.answer.logprobs),
                            "text": s.answer.text} if s.answer else {})} for s in alone],
-            "rounds": rounds, "healthy_after": bool(health), "after": _cmp_row(refs[0], after)}
+            "copies": copies, "rounds": rounds, "healthy_after": bool(health)}
 
 
-def checks(mode: str, res: dict, *, platform: str, plugin_calls: dict | None = None) -> list:
-    """The checks of one mode's experiment (:func:`experiment`).  Kit (and vLLM's invariant mode):
-    every copy of a target bitwise its answer alone, the streamed copy too, the cancelled neighbour
-    cancelled mid-flight with the server still serving the same bits after it, every target in
-    flight beside others, the plugin's replacements ran.  Default: differs somewhere, required on a
-    GPU, informational on the CPU."""
-    name = R.canonical_mode(mode)
-    out = []
+def _bitwise(copy: dict) -> bool:
+    return copy["compared"] is not None and copy["compared"].bitwise
+
+
+def checks(label: str, mode: str, res: dict, *, platform: str, plugin_calls: dict | None = None) -> list:
+    """The checks of one mode's experiment (:func:`experiment`) on the model ``label``.  The
+    batch-invariant modes: every copy of a target bitwise its answer alone, the streamed copy too,
+    the cancelled neighbour cancelled mid-flight with the server still serving the same bits after
+    it, every target in flight beside others; the kit's modes: the plugin's replacements ran.
+    Default: differs somewhere, required on a GPU, informational on the CPU
+    (:func:`~batch_invariance_kit.vllm.records.informational` says which checks are)."""
+    name = f"{label} {RC.check_mode(mode)}"
+    info = RC.informational(mode, platform)
     if res.get("error"):
-        return [{"name": f"{name}: the server ran the experiment", "passed": False,
-                 "informational": name == "default" or (name == "invariant" and platform == "cpu"),
-                 "reason": res["error"].strip().splitlines()[-1] if res["error"].strip() else res["error"]}]
-    rows = [t for r in res["rounds"] for t in r["targets"]]
-    answered = all(a.get("error") is None for a in res["alone"]) and all("bitwise" in t or "tokens_equal" in t
-                                                                          for t in rows)
-    bitwise = answered and all(t["tokens_equal"] and t["logprobs_equal"] and t["top_equal"] for t in rows)
-    targets = [t for t in rows if t["name"] != "stream"]
-    streams = [t for t in rows if t["name"] == "stream"]
-    alone_n = len(res["alone"])
-    if name == "default":
-        differs = answered and not bitwise
-        out.append({"name": f"default: some target under load differs from its answer alone "
-                            f"({'informational on the CPU' if platform == 'cpu' else 'the negative control'})",
-                    "passed": differs if platform != "cpu" else answered, "informational": platform == "cpu",
-                    "differs": differs, "targets_differing": sum(not (t.get("tokens_equal") and t.get("logprobs_equal")
-                                                                      and t.get("top_equal")) for t in rows),
-                    "copies": len(rows), "max_abs_diff": max((t.get("max_abs_diff", 0.0) for t in rows), default=0.0)})
-        return out
-    inv = {"informational": name == "invariant" and platform == "cpu"}
-    out.append({"name": f"{name}: {len(targets)} target copies under load (over {len(res['rounds'])} round(s), "
-                        f"{alone_n} targets) == alone, bitwise (tokens, sampled and top-k logprobs)",
-                "passed": answered and all(t["tokens_equal"] and t["logprobs_equal"] and t["top_equal"]
-                                           for t in targets),
-                "max_abs_diff": max((t.get("max_abs_diff", 0.0) for t in targets), default=0.0), **inv})
-    out.append({"name": f"{name}: the streamed copy == alone, bitwise",
-                "passed": bool(streams) and all(t.get("tokens_equal") and t.get("logprobs_equal") and t.get("top_equal")
-                                                for t in streams), **inv})
-    out.append({"name": f"{name}: every target was in flight beside other requests",
-                "passed": all(t.get("in_flight_beside", 0) > 0 for t in rows),
-                "min_in_flight_beside": min((t.get("in_flight_beside", 0) for t in rows), default=0), **inv})
+        return [{"name": f"{name}: the server ran the experiment", "passed": False, "informational": info,
+                 **RC.failure(res["error"])}]
+    copies = res["copies"]
+    answered = all(a.get("error") is None for a in res["alone"]) and all(c["compared"] is not None for c in copies)
+    loaded = [c for c in copies if c["round"] != "after"]
+    streams = [c for c in loaded if c["name"] == "stream"]
+    targets = [c for c in loaded if c["name"] != "stream"]
+    max_diff = max((c["compared"].max_abs_diff for c in loaded if c["compared"]), default=0.0)
+    if mode == "default":   # the negative control: required on a GPU, what vLLM's CPU build does is recorded
+        differs = answered and not all(map(_bitwise, loaded))
+        return [{"name": f"{name}: some target under load differs from its answer alone "
+                         f"({'informational on the CPU' if platform == 'cpu' else 'the negative control'})",
+                 "passed": answered and (differs or platform == "cpu"), "informational": platform == "cpu",
+                 "differs": differs,
+                 "targets_differing": sum(not _bitwise(c) for c in loaded), "copies": len(loaded),
+                 "max_abs_diff": max_diff}]
+    out = [{"name": f"{name}: {len(targets)} target copies under load (over {len(res['rounds'])} round(s), "
+                    f"{len(res['alone'])} targets) == alone, bitwise (tokens, sampled and top-k logprobs)",
+            "passed": answered and all(map(_bitwise, targets)), "informational": info, "max_abs_diff": max_diff},
+           {"name": f"{name}: the streamed copy == alone, bitwise",
+            "passed": bool(streams) and all(map(_bitwise, streams)), "informational": info},
+           {"name": f"{name}: every target was in flight beside other requests",
+            "passed": all((c["in_flight_beside"] or 0) > 0 for c in loaded), "informational": info,
+            "min_in_flight_beside": min((c["in_flight_beside"] or 0 for c in loaded), default=0)}]
     cancels = [r["cancelled"] for r in res["rounds"]]
     out.append({"name": f"{name}: the cancelled neighbour stopped mid-flight; afterwards the server is healthy and "
                         f"the first target alone is bitwise its first answer",
                 "passed": all(c["cancelled"] and c["tokens"] < c["max_tokens"] for c in cancels)
-                and res["healthy_after"] and bool(res["after"].get("tokens_equal") and res["after"].get("logprobs_equal")
-                                                  and res["after"].get("top_equal")), **inv})
-    if name == "kit":
-        need = ["linear", "rms_norm"] if platform == "cpu" else ["rms_norm"]
-        calls = plugin_calls or {}
-        out.append({"name": f"kit: the plugin's replacements ran inside the server ({', '.join(need)} > 0)",
-                    "passed": all(calls.get(k, 0) > 0 for k in need), "calls": calls})
+                and res["healthy_after"] and _bitwise(copies[-1]), "informational": info})
+    if mode in RC.KIT_MODES:
+        out.append(RC.kit_calls_check(name, plugin_calls, RC.KIT_CALLS_NEEDED[platform]))
     return out
 
 
@@ -525,14 +526,17 @@ def run_mode(model, mode: str, plan: Plan, log_dir, *, eager: bool, gpu: bool, a
              start_timeout_s: float = START_TIMEOUT_S, timeout_s: float = 600.0) -> dict:
     """Start the server of ``mode`` on ``model``, run :func:`experiment`, stop it.  Returns the
     experiment's results with ``server`` (command, seconds to ready, exit code, log file) or
-    ``error`` (the server did not come up, or the experiment raised)."""
+    ``error`` (the server did not come up, or the experiment raised).  ``attention_backend``:
+    vLLM's backend (``None``: vLLM's choice); ``kit+attention`` asks for the kit's
+    (:func:`~batch_invariance_kit.vllm.records.attention_backend`)."""
     from .plugin import read_report
 
     log_dir = Path(log_dir)
-    name = R.canonical_mode(mode)
+    name = RC.check_mode(mode)
     report = log_dir / f"plugin-{name}"
     cmd = server_command(model, free_port(), max_model_len=plan.max_model_len, top_logprobs=plan.top_logprobs,
-                         eager=eager, gpu=gpu, tokenizer=R.has_tokenizer(model), attention_backend=attention_backend)
+                         eager=eager, gpu=gpu, tokenizer=R.has_tokenizer(model),
+                         attention_backend=RC.attention_backend(name, attention_backend, gpu=gpu))
     srv = Server(cmd, server_env(name, gpu=gpu, report_dir=report), log_dir / f"server-{name}.log")
     t0 = time.monotonic()
     res: dict = {}
@@ -546,21 +550,15 @@ def run_mode(model, mode: str, plan: Plan, log_dir, *, eager: bool, gpu: bool, a
                                          + cmd[cmd.index("--served-model-name"):]),
                      "ready_s": srv.ready_s, "exit_code": srv.proc.returncode if srv.proc else None,
                      "seconds": time.monotonic() - t0, "log": srv.log_path.name}
-    if name == "kit":
+    if name in RC.KIT_MODES:
         res["plugin"] = read_report(report) if report.exists() else None
     return res
 
 
 def rows_of(mode: str, model: str, res: dict) -> list:
-    """The JSON's rows of one mode: one per compared copy (``op`` ``vllm_online``)."""
-    rows = []
-    for r in res.get("rounds", []):
-        for t in r["targets"]:
-            rows.append({"op": "vllm_online", "impl": R.canonical_mode(mode), "model": model, "round": r["round"], **t})
-    if res.get("after"):
-        rows.append({"op": "vllm_online", "impl": R.canonical_mode(mode), "model": model, "round": "after",
-                     **res["after"]})
-    return rows
+    """The rows of one mode's experiment: an :class:`~batch_invariance_kit.vllm.records.OnlineRow`
+    per compared copy."""
+    return [OnlineRow(op="vllm_online", impl=RC.check_mode(mode), model=model, **c) for c in res.get("copies", [])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,35 +567,41 @@ def rows_of(mode: str, model: str, res: dict) -> list:
 
 def plan_for(folder, args) -> Plan:
     """The :class:`Plan` of a model folder: chat questions through its template when it has a
-    tokenizer (:mod:`.chat`), random token ids below its ``vocab_size`` otherwise."""
+    tokenizer (:mod:`.chat`); otherwise the offline check's prompts below its ``vocab_size``, chosen
+    by their seeds: :data:`~batch_invariance_kit.vllm.records.TARGET`, the
+    :data:`~batch_invariance_kit.vllm.records.NEEDLE`, then seeded random prompts."""
     from . import chat
-    from .check import random_prompt
 
     with open(os.path.join(folder, "config.json")) as f:
-        vocab = int(json.load(f).get("vocab_size", 32768))
+        vocab = int(json.load(f).get("vocab_size", RC.VOCAB))
     if R.has_tokenizer(folder):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(folder)
-        targets = [chat.encode(tok, q) for q in chat.TARGETS[:args.targets]]
+        targets, names = [chat.encode(tok, q) for q in chat.TARGETS[:args.targets]], ()
     else:
-        targets = [random_prompt(64 + 48 * i, seed=11 + i, vocab=vocab) for i in range(args.targets)]
+        fixed = (RC.TARGET, RC.NEEDLE)[:args.targets]
+        targets = [p.tokens(vocab) for p in fixed] + [RC.random_prompt(64 + 48 * i, seed=11 + i, vocab=vocab)
+                                                      for i in range(len(fixed), args.targets)]
+        names = tuple(p.name for p in fixed) + tuple(f"t{i}" for i in range(len(fixed), args.targets))
     return Plan(tuple(targets), max_tokens=args.max_tokens, clients=args.clients, per_client=args.per_client,
                 rounds=args.rounds, prompt_len=(8, args.max_prompt), new_tokens=(2, args.max_new),
-                window_s=args.window_s, top_logprobs=args.top_logprobs, vocab=vocab, seed=args.seed)
+                window_s=args.window_s, top_logprobs=args.top_logprobs, vocab=vocab, seed=args.seed, names=names)
 
 
 def parser() -> argparse.ArgumentParser:
+    from .check import MODEL_NAMES
+
     p = argparse.ArgumentParser(prog="python -m batch_invariance_kit.vllm.online",
                                 description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder of vllm_online.json and logs/")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="PATH", help="a local Hugging Face model folder")
-    src.add_argument("--models", help="the kit's random-weight models (comma-separated subset of dense,moe), "
-                                      "built once by batch_invariance_kit.vllm.check")
+    src.add_argument("--models", help=f"the kit's random-weight models (comma-separated subset of "
+                                      f"{','.join(MODEL_NAMES)}), built once by batch_invariance_kit.vllm.check")
     p.add_argument("--model-dir", default=None, help="where --models are saved (default: <tempdir>/kit-models)")
-    p.add_argument("--modes", default="default,kit", help=f"comma-separated subset of {list(MODES)}")
-    p.add_argument("--targets", type=int, default=4, help="target prompts (default 4)")
+    p.add_argument("--modes", default="default,kit", help=f"comma-separated subset of {','.join(RC.MODES)}")
+    p.add_argument("--targets", type=int, default=4, help="target prompts (default 4: the target, the needle, 2 more)")
     p.add_argument("--clients", type=int, default=16, help="other clients per round (default 16)")
     p.add_argument("--per-client", type=int, default=2, help="requests each client sends per round (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="load rounds (default 2)")
@@ -608,26 +612,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-logprobs", type=int, default=5, help="k of logprobs=k (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eager", action="store_true", help="--enforce-eager (default: compiled, as vLLM ships)")
-    p.add_argument("--attention-backend", default=None, help="vLLM's --attention-backend (CUSTOM: the kit's, kit mode)")
+    p.add_argument("--attention-backend", default=None,
+                   help="vLLM's --attention-backend of every mode but kit+attention, for the non-MLA models "
+                        "(default: vLLM's choice); the kit's attention is the mode kit+attention")
     p.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S)
     return p
 
 
 def main(argv=None) -> int:
     from ..report import results
-    from .check import _csv
+    from . import chat
+    from .check import MLA_MODELS, MODEL_NAMES, csv_arg, not_applicable
 
     a = parser().parse_args(argv)
     try:
-        modes = _csv("modes", a.modes, MODES)
+        modes = csv_arg("modes", a.modes, RC.MODES)
         for n in ("targets", "clients", "per_client", "rounds", "max_tokens", "max_prompt", "max_new", "top_logprobs"):
             positive_int(f"--{n.replace('_', '-')}", getattr(a, n))
         if a.model is not None and not os.path.isfile(os.path.join(a.model, "config.json")):
             raise ValueError(f"--model must be a local Hugging Face folder with a config.json, got {a.model!r}")
-        from . import chat
         if a.model is not None and R.has_tokenizer(a.model) and a.targets > len(chat.TARGETS):
             raise ValueError(f"--targets must be at most {len(chat.TARGETS)} with a tokenizer, got {a.targets}")
-        models = _csv("models", a.models, ("dense", "moe")) if a.models else None
+        if a.attention_backend == RC.KIT_ATTENTION_BACKEND:
+            raise ValueError(f"--attention-backend {RC.KIT_ATTENTION_BACKEND} (the kit's attention) is the mode "
+                             f"kit+attention: use --modes kit+attention")
+        models = csv_arg("models", a.models, MODEL_NAMES) if a.models else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -648,31 +657,33 @@ def main(argv=None) -> int:
         folders = {m: os.path.join(model_dir, m) for m in models}
     else:
         folders = {Path(a.model).name: a.model}
-    rows, all_checks, servers, plans = [], [], {}, {}
+    rows, all_checks, servers, plans, skipped = [], [], {}, {}, []
     for label, folder in folders.items():
         plan = plan_for(folder, a)
         plans[label] = {k: v for k, v in asdict(plan).items() if k != "targets"} | {
             "target_lens": [len(t) for t in plan.targets], "max_model_len": plan.max_model_len}
         for mode in modes:
+            why = not_applicable(label, mode) if models else None
+            if why:
+                skipped.append(why)
+                continue
             res = run_mode(folder, mode, plan, out / "logs" / label, eager=a.eager, gpu=gpu,
-                           attention_backend=a.attention_backend if mode == "kit" else None,
+                           attention_backend=None if label in MLA_MODELS and models else a.attention_backend,
                            start_timeout_s=a.start_timeout_s)
-            cs = checks(mode, res, platform=platform, plugin_calls=(res.get("plugin") or {}).get("calls"))
-            for c in cs:
-                c["name"] = f"{label} {c['name']}"
+            cs = checks(label, mode, res, platform=platform, plugin_calls=(res.get("plugin") or {}).get("calls"))
             rows += rows_of(mode, label, res)
             all_checks += cs
             servers[f"{label} {mode}"] = {"server": res["server"], "error": res.get("error"),
                                           "healthy_after": res.get("healthy_after"),
-                                          "rounds": [{k: r[k] for k in ("round", "seconds", "requests", "cancelled",
-                                                                        "neighbours")} for r in res.get("rounds", [])],
-                                          "alone": res.get("alone"), "plugin": res.get("plugin")}
+                                          "rounds": res.get("rounds", []), "alone": res.get("alone"),
+                                          "plugin": res.get("plugin")}
             for c in cs:
                 tag = "INFO" if c.get("informational") else ("PASS" if c["passed"] else "FAIL")
                 print(f"  {tag}  {c['name']}", flush=True)
-            results.save("vllm_online", rows, all_checks, folder=out,
+            results.save("vllm_online", [RC.to_dict(r) for r in rows], all_checks, folder=out,
                          extra={"plan": {"platform": platform, "modes": modes, "eager": a.eager,
-                                         "attention_backend": a.attention_backend, "models": plans},
+                                         "attention_backend": a.attention_backend, "models": plans,
+                                         "not_applicable": skipped},
                                 "servers": servers})
     print(f"wrote {out / 'vllm_online.json'}")
     hard = [c for c in all_checks if not c.get("informational")]

@@ -5,17 +5,19 @@ of target prompts), and the H200 check (:mod:`batch_invariance_kit.vllm.check`: 
 experiments, one process per (model, mode)).  Everything that starts, configures and drives the
 engine, and every comparison of its outputs, is here.
 
-**Modes** (:func:`mode_env`), each in its own process because each switch is read when the
-engine is built:
+**Modes** (:data:`batch_invariance_kit.vllm.records.MODES`, :func:`mode_env`), each in its own
+process because each switch is read when the engine is built:
 
 * ``default``: vLLM as installed (``KIT_BATCH_INVARIANT=0``, ``VLLM_BATCH_INVARIANT`` unset);
-* ``vllm-invariant`` (the check's ``invariant``): ``VLLM_BATCH_INVARIANT=1``, vLLM's own
-  batch-invariant mode;
+* ``invariant``: ``VLLM_BATCH_INVARIANT=1``, vLLM's own batch-invariant mode;
 * ``kit``: ``KIT_BATCH_INVARIANT=1``: the kit's plugin (:mod:`batch_invariance_kit.vllm.plugin`)
   replaces the batch-variant ops.  On a GPU vLLM's own mode runs under it
   (``VLLM_BATCH_INVARIANT=1``: the sampler's ``log_softmax``); vLLM's CPU build cannot run that
   mode, and the plugin replaces what it would cover.  With ``KIT_PLUGIN_REPORT`` the plugin
-  reports which replacements ran and how often.
+  reports which replacements ran and how often;
+* ``kit+attention``: kit mode with the kit's attention backend: on a GPU the engine asks for
+  vLLM's ``CUSTOM`` backend (:func:`batch_invariance_kit.vllm.records.attention_backend`), on
+  the CPU ``KIT_ATTENTION=1`` (the Triton interpreter: ``TRITON_INTERPRET=1``).
 
 In every mode the engine runs in the worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
 every request is submitted before the first step, so what is compared is batching, not arrival
@@ -40,9 +42,10 @@ longer fits is skipped.  The kinds of experiment:
 * ``decode_vs_prefill``: the same for one target of an earlier ``targets`` experiment (``of``);
 * ``throughput``: the wall time of one ``generate`` of many prompts, after a short warm-up.
 
-**The checks** of the results: :func:`compare` (a completion against a reference, bitwise),
-:func:`distinct` (distinct completions among runs), :func:`decode_vs_prefill`, and
-:func:`summarize` (a :func:`run_mode` document per target).
+**The checks** of the results: :func:`~batch_invariance_kit.vllm.records.compare` (a completion
+against a reference, bitwise) and :func:`~batch_invariance_kit.vllm.records.distinct` (distinct
+completions among runs), both from :mod:`batch_invariance_kit.vllm.records`;
+:func:`decode_vs_prefill`, and :func:`summarize` (a :func:`run_mode` document per target).
 """
 from __future__ import annotations
 
@@ -59,21 +62,20 @@ import traceback
 from pathlib import Path
 
 from ..checks import positive_float, positive_int
+from .records import KIT_MODES, MODES, TargetsResult, attention_backend, check_mode  # noqa: F401 (MODES: the modes of run_mode)
 
-#: The modes of :func:`run_mode`, by the names chapter 7 prints; it accepts ``invariant`` (the
-#: check's name) for ``vllm-invariant`` as well.
-MODES = ("default", "vllm-invariant", "kit")
 #: Environment of every mode.
 BASE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-#: Extra environment per mode (``kit`` on a GPU adds ``VLLM_BATCH_INVARIANT=1``: :func:`mode_env`).
+#: Extra environment per mode (the kit's modes on a GPU add ``VLLM_BATCH_INVARIANT=1``, and
+#: ``kit+attention`` on the CPU ``KIT_ATTENTION=1``: :func:`mode_env`).
 MODE_ENV = {"default": {"KIT_BATCH_INVARIANT": "0"},
             "invariant": {"KIT_BATCH_INVARIANT": "0", "VLLM_BATCH_INVARIANT": "1"},
-            "kit": {"KIT_BATCH_INVARIANT": "1"}}
-_MODE_NAMES = {"vllm-invariant": "invariant"}
+            "kit": {"KIT_BATCH_INVARIANT": "1"},
+            "kit+attention": {"KIT_BATCH_INVARIANT": "1"}}
 #: The variables a worker records at its start (``mode_env``) and once its engine is built
 #: (``engine_env``: the kit's plugin sets ``VLLM_CPU_ATTN_SPLIT_KV`` itself).
 RECORDED_ENV = ("KIT_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT", "VLLM_ENABLE_V1_MULTIPROCESSING",
-                "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_CPU_ATTN_SPLIT_KV", "KIT_MOE")
+                "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_CPU_ATTN_SPLIT_KV", "KIT_MOE", "KIT_ATTENTION")
 #: The engine's options and their defaults (``None``: vLLM's own default).  ``eager``:
 #: ``enforce_eager=True`` (otherwise compiled, as vLLM ships: torch.compile, CUDA graphs on a
 #: GPU); ``kv_cache_gib``: the KV cache's size (``kv_cache_memory_bytes``);
@@ -91,22 +93,12 @@ LOG_TAIL = 6000
 # Modes and processes
 # ---------------------------------------------------------------------------------------------
 
-def canonical_mode(mode: str) -> str:
-    """``default``, ``invariant`` or ``kit`` (``vllm-invariant`` is ``invariant``)."""
-    if not isinstance(mode, str):
-        raise TypeError(f"mode must be a str, got {type(mode).__name__}")
-    name = _MODE_NAMES.get(mode, mode)
-    if name not in MODE_ENV:
-        raise ValueError(f"mode must be one of {list(MODES)} or 'invariant', got {mode!r}")
-    return name
-
-
 def mode_env(mode: str, base: dict | None = None, *, gpu: bool | None = None) -> dict:
     """The environment of a mode's process: ``base`` (default ``os.environ``) without a
     ``VLLM_BATCH_INVARIANT`` or ``KIT_PLUGIN_REPORT`` of the caller's, plus :data:`BASE_ENV` and
     the mode's :data:`MODE_ENV`; ``gpu`` (default: CUDA is present) puts vLLM's own mode under
-    kit mode."""
-    name = canonical_mode(mode)
+    the kit's modes, and ``kit+attention`` on the CPU switches the kit's attention on."""
+    name = check_mode(mode)
     if gpu is None:
         import torch
 
@@ -116,8 +108,10 @@ def mode_env(mode: str, base: dict | None = None, *, gpu: bool | None = None) ->
     env.pop("KIT_PLUGIN_REPORT", None)
     env.update(BASE_ENV)
     env.update(MODE_ENV[name])
-    if name == "kit" and gpu:
+    if name in KIT_MODES and gpu:
         env["VLLM_BATCH_INVARIANT"] = "1"
+    if name == "kit+attention" and not gpu:
+        env.update({"KIT_ATTENTION": "1", "TRITON_INTERPRET": "1"})
     return env
 
 
@@ -557,35 +551,6 @@ def run_worker(model, job: dict, out, *, build=None) -> int:
 # The checks (bitwise)
 # ---------------------------------------------------------------------------------------------
 
-def compare(ref_tokens: list, ref_lps: list, tokens: list, lps: list) -> dict:
-    """Bitwise comparison of a completion against the reference one.
-
-    Log-probabilities are Python floats holding fp32 values: ``==`` is a bitwise test (NaN is
-    never equal: a NaN anywhere counts as a difference)."""
-    n = min(len(ref_lps), len(lps))
-    diffs = [abs(a - b) for a, b in zip(ref_lps[:n], lps[:n])]
-    unequal = [i for i in range(n) if not (ref_lps[i] == lps[i])]
-    tok_diff = [i for i in range(min(len(ref_tokens), len(tokens))) if ref_tokens[i] != tokens[i]]
-    return {
-        "tokens_equal": list(ref_tokens) == list(tokens),
-        # not ``list == list``: that compares by identity first, so one NaN object would equal itself
-        "logprobs_equal": len(ref_lps) == len(lps) and not unequal,
-        "first_token_diff": tok_diff[0] if tok_diff else (None if len(ref_tokens) == len(tokens)
-                                                           else min(len(ref_tokens), len(tokens))),
-        "first_logprob_diff": unequal[0] if unequal else (None if len(ref_lps) == len(lps) else n),
-        "logprobs_unequal": len(unequal) + abs(len(ref_lps) - len(lps)),
-        "max_abs_diff": max(diffs) if diffs else 0.0,
-    }
-
-
-def distinct(completions: list) -> dict:
-    """``completions``: ``[(tokens, logprobs)]``; counts of distinct token / log-prob sequences
-    (log-probs keyed by ``repr``: bitwise for floats, and a NaN equals a NaN of the same bits)."""
-    return {"n": len(completions),
-            "unique_token_sequences": len({tuple(t) for t, _ in completions}),
-            "unique_logprob_sequences": len({tuple(repr(x) for x in lp) for _, lp in completions})}
-
-
 def decode_vs_prefill(decode: list, prefill: list) -> dict:
     """The decode log-probability of each generated token against the prefill's
     (:meth:`Engine.prefill`), bitwise: positions, how many are equal, the first that is not, the
@@ -600,27 +565,33 @@ def decode_vs_prefill(decode: list, prefill: list) -> dict:
             "decode_logprobs": list(decode), "prefill_logprobs": list(prefill)}
 
 
+def targets_result(doc: dict, where: str = "doc") -> TargetsResult:
+    """The ``targets`` results of a :func:`run_mode` document (:data:`TARGET_RESULTS`, at its top)
+    as a typed :class:`~batch_invariance_kit.vllm.records.TargetsResult`; ``ValueError`` naming
+    the first malformed field."""
+    from .records import parse
+
+    return parse(TargetsResult, {k: doc[k] for k in TARGET_RESULTS if k in doc}, where)
+
+
 def summarize(doc: dict) -> dict:
     """Per target of a :func:`run_mode` document, over all batches: did the tokens / the
     log-probabilities change against the run alone (and the first token that did)?  And decode
     vs prefill: how many positions are bitwise equal."""
     if doc.get("status") != "done":
         return {"mode": doc.get("mode"), "status": doc.get("status"), "ran": False}
-    n = len(doc["alone"])
-    tok_changed, lp_changed, first_diff = [], [], []
-    for i in range(n):
-        a = doc["alone"][i]
-        cmps = [compare(a["tokens"], a["logprobs"], b["targets"][i]["tokens"], b["targets"][i]["logprobs"])
-                for b in doc["batches"]]
-        tok_changed.append(not all(c["tokens_equal"] for c in cmps))
-        lp_changed.append(not all(c["logprobs_equal"] for c in cmps))
-        first_diff.append(min((c["first_token_diff"] for c in cmps if c["first_token_diff"] is not None), default=None))
+    res = targets_result(doc)
+    n = len(res.alone)
+    cmps = [[c for _, c in res.against_alone(i)] for i in range(n)]
+    tok_changed = [not all(c.tokens_equal for c in cs) for cs in cmps]
+    lp_changed = [not all(c.logprobs_equal for c in cs) for cs in cmps]
+    first_diff = [min((c.first_token_diff for c in cs if c.first_token_diff is not None), default=None) for cs in cmps]
     dvp = []
-    for d in doc.get("decode_vs_prefill", []):
-        c = decode_vs_prefill(d["decode"], d["prefill"])
-        dvp.append({"target": d["target"], "positions": c["positions"], "equal": c["equal_positions"],
+    for d in res.decode_vs_prefill:
+        c = decode_vs_prefill(d.decode, d.prefill)
+        dvp.append({"target": d.target, "positions": c["positions"], "equal": c["equal_positions"],
                     "max_abs_diff": c["max_abs_diff"]})
-    return {"mode": doc["mode"], "status": "done", "ran": True, "targets": n, "batches": len(doc["batches"]),
+    return {"mode": doc["mode"], "status": "done", "ran": True, "targets": n, "batches": len(res.batches),
             "tokens_changed": sum(tok_changed), "logprobs_changed": sum(lp_changed),
             "changed_targets": [i for i in range(n) if tok_changed[i]], "first_token_diff": first_diff,
             "all_bitwise_equal": not any(tok_changed) and not any(lp_changed),
@@ -638,20 +609,24 @@ TARGET_RESULTS = ("alone", "alone_s", "batches", "decode_vs_prefill")
 
 def run_mode(model, mode: str, spec: dict, *, timeout: float = 600.0, report_dir=None) -> dict:
     """Run the :func:`make_spec` experiment ``spec`` on ``model`` (a local HF folder) in a fresh
-    process in ``mode`` (:data:`MODES`, or ``invariant``), within ``timeout`` seconds.
+    process in ``mode`` (:data:`MODES`), within ``timeout`` seconds.
 
     Returns the worker's document (:func:`run_worker`) with the experiment's results
     (:data:`TARGET_RESULTS`) at its top, ``error`` (the first traceback, when there is one),
     ``mode``, ``seconds`` (the whole process), ``rc``, ``timed_out`` and, on failure,
-    ``log_tail``; in kit mode ``plugin`` is the merged plugin report (in ``report_dir``, default a
-    temporary folder)."""
+    ``log_tail``; in the kit's modes ``plugin`` is the merged plugin report (in ``report_dir``,
+    default a temporary folder)."""
+    import torch
+
     from .plugin import read_report
 
     if not Path(model, "config.json").is_file():
         raise FileNotFoundError(f"model must be a local HF folder with a config.json, got {model!r}")
-    kit = canonical_mode(mode) == "kit"
-    env = mode_env(mode)
-    job = make_job({k: spec[k] for k in SPEC_ENGINE_KEYS}, [targets_experiment("targets", spec)])
+    kit = check_mode(mode) in KIT_MODES
+    gpu = torch.cuda.is_available()
+    env = mode_env(mode, gpu=gpu)
+    engine = {**{k: spec[k] for k in SPEC_ENGINE_KEYS}, "attention_backend": attention_backend(mode, None, gpu=gpu)}
+    job = make_job(engine, [targets_experiment("targets", spec)])
     with tempfile.TemporaryDirectory(prefix="kit-vllm-") as tmp:
         job_path, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         write_json(job_path, job)
