@@ -1,0 +1,174 @@
+"""Where a step's time goes: a few engine steps of each mode under ``torch.profiler``, summed by
+kernel family, and the time the GPU sat idle between kernels waiting for the host.
+
+    python -m batch_invariance_kit.vllm.step_profile --out DIR                       # dense: default, kit+attention
+    python -m batch_invariance_kit.vllm.step_profile --out DIR --models moe --modes default,invariant,kit+attention
+
+It is :mod:`batch_invariance_kit.vllm.bench` with its ``profile`` scenario (one engine per mode, a
+warm-up batch, then one batch of 64 prompts of 512 tokens and 16 new tokens, a prefill and 15
+decode steps, under the profiler), written to ``DIR/vllm_profile.json``: one row per (model,
+mode) with
+
+* ``families``: per family of :data:`FAMILIES` (:func:`kernel_family`: by the kernel's name, the
+  kit's Triton kernels and vLLM's, cuBLAS's and Inductor's), the kernels, their summed time and
+  its share of the kernel time, and the heaviest kernels of the family;
+* ``gaps``: the device timeline's busy time (the union of kernels and copies), the idle time
+  between them (the host's share of the step: launches, Python, synchronisations), the number of
+  gaps above 10 and 100 microseconds, the median gap and the largest ones;
+* the window's wall time and the run's tokens.
+
+The summary (:func:`summarize`) reads the profiler's Chrome trace (:func:`read_trace`), so it is
+tested on a CPU with a synthetic trace and with the trace of a CPU run of the profiler.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FAMILIES = ("gemm", "attention", "norm", "moe", "other")
+#: ``(family, pattern)`` tried in order on the kernel's lower-cased name; no match: ``other``.
+#: MoE first (its grouped GEMM is MoE time), then attention (the KV-cache writes included), norms
+#: (Inductor's fused ``rsqrt`` reductions included), then GEMMs.
+PATTERNS = (
+    ("moe", r"moe|expert|_router_kernel|_dispatch_kernel|_combine_kernel|grouped_gemm|splitk_silu|topk_?gating"
+            r"|topkgating|align_block|count_and_sort"),
+    ("attention", r"attn|attention|flash|fmha|reshape_and_cache|write_kv|paged|unified"),
+    ("norm", r"rms|norm|rsqrt"),
+    ("gemm", r"gemm|matmul|_mm_|mm_kernel|mm_tma|cutlass|xmma|nvjet|cublas|wgmma|splitkreduce|triton_tem_fused_mm"),
+)
+_COMPILED = tuple((fam, re.compile(p)) for fam, p in PATTERNS)
+#: Trace categories of device work: kernels (their family by name) and copies (busy time only).
+KERNEL_CATEGORIES = ("kernel",)
+COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
+#: Gap sizes counted (microseconds).
+GAP_THRESHOLDS_US = (10.0, 100.0)
+
+
+def kernel_family(name: str) -> str:
+    """The family of a kernel by its name (:data:`PATTERNS`)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    low = name.lower()
+    for fam, pat in _COMPILED:
+        if pat.search(low):
+            return fam
+    return "other"
+
+
+def read_trace(path, categories=KERNEL_CATEGORIES + COPY_CATEGORIES) -> list:
+    """The complete events (``"ph": "X"``) of the given categories of a Chrome trace written by
+    ``torch.profiler``: ``[{"name", "cat", "ts", "dur"}]`` (microseconds), by start time."""
+    doc = json.loads(Path(path).read_text())
+    events = doc.get("traceEvents", doc) if isinstance(doc, dict) else doc
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")
+    out = [{"name": e.get("name", ""), "cat": e.get("cat"), "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0))}
+           for e in events if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in categories]
+    return sorted(out, key=lambda e: e["ts"])
+
+
+def gaps(events: list) -> dict:
+    """The device timeline of ``events`` (``ts``, ``dur`` in microseconds): ``span_us`` (first start
+    to last end), ``busy_us`` (the union of the events), ``idle_us`` and ``idle_fraction`` (the gaps
+    between them), their count, the gaps above each of :data:`GAP_THRESHOLDS_US`, the median gap
+    and the five largest."""
+    ev = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events), key=lambda t: t[0])
+    if not ev:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "idle_fraction": None, "gaps": 0,
+                **{f"gaps_over_{int(t)}us": 0 for t in GAP_THRESHOLDS_US}, "median_gap_us": None, "largest_gaps_us": []}
+    busy, gap_list = 0.0, []
+    start, end = ev[0]
+    for s, e in ev[1:]:
+        if s > end:
+            busy += end - start
+            gap_list.append(s - end)
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    span = max(e for _, e in ev) - ev[0][0]
+    idle = sum(gap_list)
+    return {"span_us": span, "busy_us": busy, "idle_us": idle, "idle_fraction": idle / span if span else None,
+            "gaps": len(gap_list), **{f"gaps_over_{int(t)}us": sum(g > t for g in gap_list) for t in GAP_THRESHOLDS_US},
+            "median_gap_us": statistics.median(gap_list) if gap_list else None,
+            "largest_gaps_us": sorted(gap_list, reverse=True)[:5]}
+
+
+def summarize(events: list, *, top: int = 3) -> dict:
+    """Kernel time per family (:func:`kernel_family`) and the timeline's gaps (:func:`gaps`) of a
+    trace's device events (:func:`read_trace`); copies count as busy time, not as a family."""
+    kernels = [e for e in events if e.get("cat") in KERNEL_CATEGORIES]
+    total = sum(e["dur"] for e in kernels)
+    fams = {f: {"kernels": 0, "time_us": 0.0, "share": None, "top": {}} for f in FAMILIES}
+    for e in kernels:
+        f = fams[kernel_family(e["name"])]
+        f["kernels"] += 1
+        f["time_us"] += e["dur"]
+        f["top"][e["name"]] = f["top"].get(e["name"], 0.0) + e["dur"]
+    for f in fams.values():
+        f["share"] = f["time_us"] / total if total else None
+        f["top"] = [{"name": n[:160], "time_us": t} for n, t in sorted(f["top"].items(), key=lambda kv: -kv[1])[:top]]
+    copies = [e for e in events if e.get("cat") in COPY_CATEGORIES]
+    return {"kernels": len(kernels), "kernel_time_us": total, "copies": len(copies),
+            "copy_time_us": sum(e["dur"] for e in copies), "families": fams, "gaps": gaps(events)}
+
+
+def profile_table(rows: list) -> str:
+    """The printed summary of ``vllm_profile`` rows: per (model, mode), each family's share of the
+    kernel time and the idle share of the device timeline."""
+    lines = []
+    for r in rows:
+        if r.get("op") != "vllm_profile":
+            continue
+        fam = "  ".join(f"{f} {r['families'][f]['share']:.0%}" for f in FAMILIES
+                        if r["families"][f]["share"] is not None)
+        g = r["gaps"]
+        idle = f"{g['idle_fraction']:.0%}" if g["idle_fraction"] is not None else "n/a"
+        lines.append(f"{r['model']} {r['impl']:<22} {r['kernels']} kernels, {r['kernel_time_us'] / 1e3:.1f} ms: {fam}; "
+                     f"device idle {idle} of {g['span_us'] / 1e3:.1f} ms ({g['gaps']} gaps, "
+                     f"{g['gaps_over_100us']} over 100 us)")
+    return "\n".join(lines)
+
+
+def profile_call(fn) -> dict:
+    """Run ``fn()`` under ``torch.profiler`` (CPU and, when present, CUDA activity) and return
+    :func:`summarize` of its device events with ``wall_s`` (the call, synchronised)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with tempfile.TemporaryDirectory(prefix="kit-profile-") as d:
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        summary = summarize(read_trace(path))
+    return {"wall_s": wall, "device": "cuda" if cuda else "cpu", **summary}
+
+
+def main(argv=None) -> int:
+    """``python -m batch_invariance_kit.vllm.bench --scenarios profile`` into ``vllm_profile.json``;
+    the other arguments are the bench's (default ``--models dense --modes default,kit+attention``)."""
+    from . import bench
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--scenarios" or a.startswith("--scenarios=") for a in argv):
+        print("error: --scenarios: the profile command runs the profile scenario only", file=sys.stderr)
+        return 2
+    if not any(a == "--modes" or a.startswith("--modes=") for a in argv):
+        argv += ["--modes", "default,kit+attention"]
+    return bench.main(argv + ["--scenarios", "profile", "--result-name", "vllm_profile"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
