@@ -104,7 +104,7 @@ def test_scenarios_and_dry_run(capsys):
         ("default", "offline"), ("kit+attention", "offline"), ("kit+attention alone", "offline"),
         ("default", "online"), ("kit+attention", "online"), ("kit+attention alone", "online")]
     assert plan["env"]["kit+attention alone"]["VLLM_BATCH_INVARIANT"] == "0"
-    assert plan["estimate_s"] == sum(j["estimate_s"] for j in plan["jobs"]) > 0
+    assert plan["estimate_s"] == sum(j["estimate_s"] for j in plan["jobs"]) + plan["build_estimate_s"]["dense"] > 0
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -265,7 +265,7 @@ def _fake_launch(clock, rates, calls):
     tokens/s is ``rates[label]``."""
     def launch(kind, cmd, env, timeout, log):
         calls.append((kind, env.get("KIT_BATCH_INVARIANT"), env.get("VLLM_BATCH_INVARIANT"),
-                      env.get("KIT_VLLM_INVARIANT"), timeout))
+                      env.get("KIT_VLLM_INVARIANT"), env))
         if kind == "build":
             return {"rc": 0, "seconds": 1.0, "timed_out": False, "log_tail": ""}
         job = json.loads(Path(cmd[cmd.index("--worker") + 1]).read_text())
@@ -284,6 +284,9 @@ def test_driver_writes_the_result_file(tmp_path):
     extra = B.run_driver(a, launch=_fake_launch(clock, rates, calls), clock=clock, gpu=True)
     assert [c[0] for c in calls] == ["build"] + ["worker"] * 4
     assert calls[3][1:4] == ("1", "1", None) and calls[4][1:4] == ("1", "0", "0")  # kit+attention, then alone
+    envs = [c[4] for c in calls[1:]]
+    assert all("VLLM_ENABLE_V1_MULTIPROCESSING" not in e for e in envs)  # vLLM's own process layout
+    assert ["KIT_PLUGIN_REPORT" in e for e in envs] == [False, False, True, True]
     doc = json.loads((tmp_path / "vllm_bench.json").read_text())
     assert {"provenance", "rows", "checks", "plan", "jobs", "comparisons"} <= set(doc)
     assert doc["provenance"]["git_commit"] and "command" in doc["provenance"]
@@ -297,6 +300,21 @@ def test_driver_writes_the_result_file(tmp_path):
     required = [c for c in doc["checks"] if not c.get("goal")]
     assert len(required) == 4 and all(c["passed"] for c in required)
     assert all(c["measure"] == "output_tokens_per_s" for c in doc["comparisons"])
+
+
+def test_driver_profile_jobs_run_the_engine_in_the_worker(tmp_path):
+    """The profile scenario gets its own worker per mode, with the engine in the worker's process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the profiler sees its kernels); its row is a
+    ``vllm_profile`` row."""
+    a = B.parse_args(["--out", str(tmp_path), "--models", "tiny", "--modes", "default,kit+attention",
+                      "--scenarios", "decode,profile", "--budget-s", "100000", "--model-dir", str(tmp_path / "m")])
+    assert [(j["label"], j["kind"]) for j in B.plan(a)] == [("default", "offline"), ("kit+attention", "offline"),
+                                                            ("default", "profile"), ("kit+attention", "profile")]
+    clock, calls = Clock(), []
+    B.run_driver(a, launch=_fake_launch(clock, {"default": 1.0, "kit+attention": 1.0}, calls), clock=clock, gpu=True)
+    assert [c[4].get("VLLM_ENABLE_V1_MULTIPROCESSING") for c in calls[1:]] == [None, None, "0", "0"]
+    doc = json.loads((tmp_path / "vllm_bench.json").read_text())
+    assert [r["op"] for r in doc["rows"]] == ["vllm_bench", "vllm_bench", "vllm_profile", "vllm_profile"]
 
 
 def test_driver_skips_what_the_budget_cannot_start(tmp_path):

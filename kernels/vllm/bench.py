@@ -117,6 +117,14 @@ MIN_REPEATS = 3
 MIN_START_S = {"dense": 150.0, "moe": 150.0, "tiny": 30.0}
 
 
+def build_estimate_s(name: str, moe_layers: int = MOE_LAYERS, weights: str = "kit") -> float:
+    """Seconds to write a model's checkpoint on the GPU box (planning only: about 5 s per GB,
+    drawing, copying and writing; a few seconds for a config and a tokenizer alone)."""
+    if weights == "dummy":
+        return 5.0
+    return {"dense": 5.0 * 16.4, "moe": 5.0 * (1.24 * moe_layers + 1.3), "tiny": 3.0}[name]
+
+
 def model_config(name: str, moe_layers: int = MOE_LAYERS):
     """The :class:`~batch_invariance_kit.serving.model.Qwen3Config` of a bench model."""
     from ..serving.model import Qwen3Config
@@ -253,7 +261,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmups", type=int, default=1, help="untimed runs before them (>= 1)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every scenario's number of prompts")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiplies every scenario's lengths")
-    p.add_argument("--moe-layers", type=int, default=MOE_LAYERS, help=f"layers of the moe model (of 48; default {MOE_LAYERS})")
+    p.add_argument("--moe-layers", type=int, default=MOE_LAYERS,
+                   help=f"layers of the moe model (of 48; default {MOE_LAYERS})")
     p.add_argument("--weights", default="kit", help="kit: the kit's seeded random weights, written once; "
                    "dummy: vLLM's dummy loader (nothing written)")
     p.add_argument("--offline-runner", default="inprocess", help="inprocess: one engine, vLLM's benchmark functions; "
@@ -537,11 +546,16 @@ def dataset_flags(s: Scenario, seed: int) -> list:
             "--seed", str(seed)]
 
 
+def _without_seed(flags: list) -> list:
+    """The engine's flags without ``--seed N`` (a run's seed comes with its dataset's flags)."""
+    return [x for i, x in enumerate(flags) if not (x == "--seed" or (i and flags[i - 1] == "--seed"))]
+
+
 def throughput_cli_command(flags: list, s: Scenario, seed: int, out_json) -> list:
     """``vllm bench throughput`` (through ``vllm.entrypoints.cli.main``: the staged vLLM has no
     ``vllm`` executable on the PATH)."""
-    f = [x for i, x in enumerate(flags) if not (x == "--seed" or (i and flags[i - 1] == "--seed"))]
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "throughput", *f, "--disable-detokenize",
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "throughput", *_without_seed(flags),
+            "--disable-detokenize",
             *dataset_flags(s, seed), "--output-json", str(out_json)]
 
 
@@ -760,8 +774,7 @@ class VllmBench:
         self.runner = "vllm bench throughput (in process: its get_requests and _run_vllm_requests)"
 
     def args(self, s: Scenario, seed: int):
-        a = self._parser.parse_args([x for i, x in enumerate(self.flags) if not (
-            x == "--seed" or (i and self.flags[i - 1] == "--seed"))] + ["--disable-detokenize"] + dataset_flags(s, seed))
+        a = self._parser.parse_args(_without_seed(self.flags) + ["--disable-detokenize"] + dataset_flags(s, seed))
         if hasattr(self.T, "validate_args"):
             self.T.validate_args(a)
         return a
@@ -991,6 +1004,19 @@ def plan(a) -> list:
     return jobs
 
 
+def job_name(model: str, lab: str, kind: str) -> str:
+    """A job's name in file names: ``<model>__<label>__<kind>`` (``+`` and spaces as ``_``)."""
+    return f"{model}__{lab.replace(' ', '_').replace('+', '_')}__{kind}"
+
+
+def _plugin_report(folder) -> dict | None:
+    """The kit plugin's merged report (:func:`batch_invariance_kit.vllm.plugin.read_report`):
+    its replacements and call counters (calls outside CUDA-graph replays), or ``None``."""
+    from .plugin import read_report
+
+    return read_report(folder) if Path(folder).is_dir() else None
+
+
 def _deps_note() -> dict:
     return {"vllm_bench_serve": has_bench_serve()}
 
@@ -1003,11 +1029,14 @@ def run_online_job(a, job: dict, scenarios: list, deadline: float, out: Path, *,
 
     folder = model_folder(a, job["model"])
     doc = {k: job[k] for k in ("model", "mode", "label", "vllm_invariant")}
-    doc.update(scenarios={}, status="starting", attention_backend=attention_backend(job["mode"], gpu=gpu) or "vLLM's choice")
+    doc.update(scenarios={}, status="starting",
+               attention_backend=attention_backend(job["mode"], gpu=gpu) or "vLLM's choice")
     flags = engine_flags(folder, mode=job["mode"], max_len=max_model_len(scenarios), gpu=gpu,
                          gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager)
     env = mode_env(job["mode"], job["vllm_invariant"], gpu=gpu)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's own process layout, as `vllm serve` runs
+    if job["mode"] in KIT_MODES:
+        env["KIT_PLUGIN_REPORT"] = str(out / "logs" / f"plugin-{job_name(job['model'], job['label'], 'online')}")
     client_env = mode_env("default", None, gpu=gpu)  # the client loads vLLM's plugins too: the kit's stays off
     port = free_port()
     cmd = serve_command(folder, port, flags)
@@ -1089,7 +1118,7 @@ def run_cli_job(a, job: dict, scenarios: list, deadline: float, out: Path, *, gp
             with tempfile.TemporaryDirectory(prefix="kit-bench-") as d:
                 t1 = clock()
                 r = launch(throughput_cli_command(flags, s, seed, Path(d) / "out.json"), env, deadline - clock(),
-                           out / "logs" / f"throughput-{job['model']}-{job['label'].replace(' ', '_')}-{s.name}-{i}.log")
+                           out / "logs" / f"throughput-{job_name(job['model'], job['label'], s.name)}-{i}.log")
                 try:
                     m = parse_throughput_cli(r.get("log_tail", ""), json.loads((Path(d) / "out.json").read_text()))
                 except Exception as e:
@@ -1153,14 +1182,15 @@ def run_driver(a, *, launch=None, clock=time.time, save=None, gpu=None, online_j
         for j in jobs:
             left = deadline - clock()
             if left < MIN_START_S[j["model"]]:
-                j.update(status="skipped", skipped=f"budget: {left:.0f} s left < {MIN_START_S[j['model']]:.0f} s to start")
+                j.update(status="skipped",
+                         skipped=f"budget: {left:.0f} s left < {MIN_START_S[j['model']]:.0f} s to start")
                 job_checks.append({"name": f"{j['model']} {j['label']} {j['kind']}: ran", "passed": False,
                                    "reason": j["skipped"]})
                 write()
                 continue
             scs = [sc[n] for n in j["scenarios"]]
+            name = job_name(j["model"], j["label"], j["kind"])
             if j["kind"] in ("offline", "profile"):
-                name = f"{j['model']}__{j['label'].replace(' ', '_').replace('+', '_')}__{j['kind']}"
                 part, job_path = out / "parts" / f"{name}.json", Path(jobs_dir) / f"{name}.json"
                 if part.exists():
                     part.unlink()
@@ -1169,6 +1199,8 @@ def run_driver(a, *, launch=None, clock=time.time, save=None, gpu=None, online_j
                 env = mode_env(j["mode"], j["vllm_invariant"], gpu=gpu)
                 if j["kind"] == "offline":  # vLLM's own process layout, as `vllm bench throughput` runs
                     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+                if j["mode"] in KIT_MODES:  # every process of the engine reports the kit's replacements
+                    env["KIT_PLUGIN_REPORT"] = str(out / "logs" / f"plugin-{name}")
                 r = launch("worker", me + ["--worker", str(job_path), "--part", str(part)], env, left,
                            out / "logs" / f"{name}.log")
                 j.update(status="ran", **{k: r.get(k) for k in ("rc", "seconds", "timed_out")})
@@ -1185,6 +1217,7 @@ def run_driver(a, *, launch=None, clock=time.time, save=None, gpu=None, online_j
                 doc = (online_job or run_online_job)(a, j, scs, deadline, out, gpu=gpu)
                 j.update(status="ran")
             j["worker_status"] = doc.get("status")
+            j["plugin"] = _plugin_report(out / "logs" / f"plugin-{name}") if j["mode"] in KIT_MODES else None
             for k in ("runner", "init_s", "server_ready_s", "mode_env", "engine_env", "errors", "error"):
                 if doc.get(k):
                     j[k] = doc[k]
@@ -1238,8 +1271,10 @@ def main(argv=None) -> int:
         return run_build(a)
     if a.dry_run:
         jobs = plan(a)
-        print(json.dumps({"jobs": jobs, "estimate_s": sum(j["estimate_s"] for j in jobs), "budget_s": a.budget_s,
-                          "max_model_len": max_model_len(scenarios_of(a)),
+        build = {m: round(build_estimate_s(m, a.moe_layers, a.weights)) for m in a.models}
+        print(json.dumps({"jobs": jobs, "build_estimate_s": build,
+                          "estimate_s": sum(j["estimate_s"] for j in jobs) + sum(build.values()),
+                          "budget_s": a.budget_s, "max_model_len": max_model_len(scenarios_of(a)),
                           "scenarios": {s.name: dataclasses.asdict(s) for s in scenarios_of(a)},
                           "env": {label(m, on): {k: v for k, v in mode_env(m, on, gpu=True, base={}).items()
                                                  if k.startswith(("KIT_", "VLLM_"))}
