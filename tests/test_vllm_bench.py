@@ -432,6 +432,50 @@ def test_online_job_with_a_stand_in_server_and_client(tmp_path):
     assert row["measures"]["median_ttft_ms"] == B.stats([12.0, 13.0, 14.0])
 
 
+def test_online_job_falls_back_to_the_kits_client(tmp_path, monkeypatch):
+    """``vllm bench serve`` that stops on an import before any measurement: the kit's client takes
+    every run, and the row says so; a client that fails is an error of the scenario."""
+    a = B.parse_args(["--out", str(tmp_path), "--models", "tiny", "--modes", "default", "--scenarios", "online",
+                      "--model-dir", str(tmp_path / "m")])
+    monkeypatch.setattr(B, "has_bench_serve", lambda: True)
+
+    def unavailable(*args):
+        raise B.BenchServeUnavailable("ModuleNotFoundError: No module named 'aiohttp'")
+
+    monkeypatch.setattr(B, "_bench_serve", unavailable)
+    seeds = []
+    monkeypatch.setattr(B, "serve_client", lambda url, s, vocab, seed, timeout_s: seeds.append(seed) or
+                        {k: 5.0 for k, _ in B.MEASURES["online"]})
+    job = {"model": "tiny", "mode": "default", "label": "default", "vllm_invariant": None}
+    doc = B.run_online_job(a, job, B.scenarios_of(a), time.time() + 1e6, tmp_path, gpu=True, launch_server=FakeServer)
+    assert doc["status"] == "done" and seeds == [1, 0, 0, 0] and "aiohttp" in doc["runner"]
+    assert B.part_rows(doc)[0]["runner"].startswith("the kit's client")
+    monkeypatch.setattr(B, "serve_client", lambda *x, **k: {})
+    doc = B.run_online_job(a, job, B.scenarios_of(a), time.time() + 1e6, tmp_path, gpu=True, launch_server=FakeServer)
+    assert doc["status"] == "failed" and "lacks" in doc["scenarios"]["online"]["error"]
+
+
+def test_bench_serve_results_and_import_failures(tmp_path, monkeypatch):
+    """A stand-in for the ``vllm bench serve`` process: its result file read into the measures; an
+    import error in its log is :class:`BenchServeUnavailable`, any other failure a RuntimeError."""
+    s = B.SCENARIOS["online"]
+
+    def ok(cmd, env, timeout, log):
+        d = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+        d.write_text(json.dumps({k: 2.0 for k, _ in B.MEASURES["online"]} | {"completed": 384, "failed": 0}))
+        return {"rc": 0, "timed_out": False, "log_tail": ""}
+
+    monkeypatch.setattr(B.R, "run_process", ok)
+    assert B._bench_serve("http://x", "/m", s, 0, {}, tmp_path, 10)["completed"] == 384
+    monkeypatch.setattr(B.R, "run_process", lambda *x: {"rc": 1, "timed_out": False, "log_tail":
+                                                        "Traceback\nModuleNotFoundError: No module named 'aiohttp'\n"})
+    with pytest.raises(B.BenchServeUnavailable, match="aiohttp"):
+        B._bench_serve("http://x", "/m", s, 0, {}, tmp_path, 10)
+    monkeypatch.setattr(B.R, "run_process", lambda *x: {"rc": 1, "timed_out": True, "log_tail": "killed"})
+    with pytest.raises(RuntimeError, match="timed_out=True"):
+        B._bench_serve("http://x", "/m", s, 0, {}, tmp_path, 10)
+
+
 def test_kit_client_against_the_stand_in_server():
     """The kit's client (where ``vllm bench serve`` cannot run) against ``tests/fake_openai_server.py``
     (tokens streamed 20 ms apart): every request completes with its tokens; TTFT and TPOT near the

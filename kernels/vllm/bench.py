@@ -1064,8 +1064,14 @@ def run_online_job(a, job: dict, scenarios: list, deadline: float, out: Path, *,
                         if run_client is not None:
                             m = online_measures(run_client(srv.base_url, s, seed))
                         elif use_cli:
-                            m = _bench_serve(srv.base_url, folder, s, seed, client_env, log_dir, deadline - clock())
-                        else:
+                            try:
+                                m = _bench_serve(srv.base_url, folder, s, seed, client_env, log_dir, deadline - clock())
+                            except BenchServeUnavailable as e:
+                                if any(r["warmups"] or r["repeats"] for r in doc["scenarios"].values()):
+                                    raise  # no runner changes after a measurement
+                                use_cli = False
+                                doc["runner"] = f"the kit's client (vllm bench serve could not start: {e})"
+                        if run_client is None and not use_cli:
                             m = online_measures(serve_client(srv.base_url, s, vocab, seed,
                                                              timeout_s=max(deadline - clock(), 1.0)))
                     except Exception:
@@ -1074,7 +1080,7 @@ def run_online_job(a, job: dict, scenarios: list, deadline: float, out: Path, *,
                     m["run_s"] = clock() - t1
                     per_run = max(per_run if i else 0.0, m["run_s"])
                     res["warmups" if i < a.warmups else "repeats"].append(m)
-        doc["status"] = "done"
+        doc["status"] = "failed" if any(r.get("error") for r in doc["scenarios"].values()) else "done"
     except Exception:
         doc["status"] = "failed"
         doc["error"] = traceback.format_exc()
@@ -1084,12 +1090,20 @@ def run_online_job(a, job: dict, scenarios: list, deadline: float, out: Path, *,
     return doc
 
 
+class BenchServeUnavailable(RuntimeError):
+    """``vllm bench serve`` stopped on an import (a module its client needs is not installed)."""
+
+
 def _bench_serve(base_url, folder, s, seed, env, log_dir, timeout) -> dict:
     with tempfile.TemporaryDirectory(prefix="kit-bench-serve-") as d:
         cmd = serve_bench_command(base_url, folder, s, seed, d, "result.json")
         r = R.run_process(cmd, env, max(timeout, 1.0),
                           Path(log_dir) / f"bench-serve-{seed}.log")
         path = Path(d) / "result.json"
+        if r["rc"] != 0 and not path.exists():
+            m = re.findall(r"(ModuleNotFoundError|ImportError): (.*)", r["log_tail"])
+            if m:
+                raise BenchServeUnavailable(": ".join(m[-1]))
         if r["rc"] != 0 or not path.exists():
             raise RuntimeError(f"vllm bench serve failed (rc={r['rc']}, timed_out={r['timed_out']}):\n{r['log_tail']}")
         return online_measures(json.loads(path.read_text()))
