@@ -81,13 +81,11 @@ def test_args_errors_out_and_merge(tmp_path, capsys):
 
 
 def test_imports_without_vllm_and_help():
-    code = ("import sys, batch_invariance_kit.vllm.bench, batch_invariance_kit.vllm.step_profile; "
-            "assert 'vllm' not in sys.modules, 'vllm imported'")
+    code = ("import sys, batch_invariance_kit.vllm.bench as B, batch_invariance_kit.vllm.step_profile; "
+            "assert 'vllm' not in sys.modules, 'vllm imported'; print(B.parser().format_help())")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "batch_invariance_kit.vllm.bench", "--help"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "--vllm-mode-under-kit" in r.stdout and "--scenarios" in r.stdout
+    assert "--vllm-mode-under-kit" in r.stdout and "--scenarios" in r.stdout
 
 
 def test_scenarios_and_dry_run(capsys):
