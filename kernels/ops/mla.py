@@ -519,8 +519,8 @@ def _expanded_multi_token_steps(out, q_nope, q_pe, cache, block_table, seq_lens,
                                 scale) -> None:
     """The engines' prefill form, written into ``out`` for the sequences with more than one new
     token: per-head keys ``[W_kc c ; k_pe]`` and values ``W_vc^T c`` (zero-padded to the key
-    dim) expanded from the whole latent cache, then the kit's GQA attention with as many kv
-    heads as q heads."""
+    dim) expanded from the latent cache blocks of those sequences (copied into a cache of their
+    own), then the kit's GQA attention with as many kv heads as q heads."""
     lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
     multi = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] > 1]
     if not multi:
@@ -528,9 +528,12 @@ def _expanded_multi_token_steps(out, q_nope, q_pe, cache, block_table, seq_lens,
     if shp.v_dim > shp.qk_nope_dim + shp.rope_dim:
         raise ValueError(f"two_forms expands values into the key dim: v_dim={shp.v_dim} must be <= "
                          f"qk_nope_dim + rope_dim = {shp.qk_nope_dim + shp.rope_dim}")
-    nb, bs, _ = cache.shape
+    bs = cache.shape[1]
     H, lora, d = shp.heads, shp.kv_lora_rank, shp.qk_nope_dim + shp.rope_dim
-    c = cache.reshape(nb * bs, -1)
+    need = [triton.cdiv(lens[s], bs) for s in multi]
+    used = torch.cat([block_table[s, :n] for s, n in zip(multi, need)]).long()
+    nb = used.shape[0]
+    c = cache[used].reshape(nb * bs, -1)
     lat = c[:, None, :lora].expand(nb * bs, H, lora).contiguous()
     k_nope = head_matmul(lat, w_kc.transpose(1, 2).contiguous())
     k = torch.cat([k_nope, c[:, None, lora:].expand(nb * bs, H, shp.rope_dim)], dim=2)
@@ -539,8 +542,10 @@ def _expanded_multi_token_steps(out, q_nope, q_pe, cache, block_table, seq_lens,
     toks = torch.cat([torch.arange(qsl[s], qsl[s + 1]) for s in multi]).to(out.device)
     q = torch.cat([q_nope, q_pe], dim=2)[toks].contiguous()
     sub_qsl = torch.tensor([0] + [qsl[s + 1] - qsl[s] for s in multi]).cumsum(0).to(torch.int32).to(out.device)
-    o = A.attention(q, k.view(nb, bs, H, d), v.view(nb, bs, H, d), block_table[multi].contiguous(),
-                    seq_lens[multi].to(torch.int32).contiguous(), sub_qsl, scale=scale)
+    first = torch.tensor([0] + need[:-1]).cumsum(0).tolist()
+    sub_bt = A.block_table([list(range(a, a + n)) for a, n in zip(first, need)], out.device)
+    o = A.attention(q, k.view(nb, bs, H, d), v.view(nb, bs, H, d), sub_bt, seq_lens[multi].to(torch.int32).contiguous(),
+                    sub_qsl, scale=scale)
     out[toks] = o[:, :, :shp.v_dim]
 
 

@@ -1,5 +1,6 @@
-"""A tiny serving loop for :class:`batch_invariance_kit.serving.model.Qwen3Model`: continuous batching, chunked
-prefill, a prefix cache, greedy and seeded sampling.
+"""A tiny serving loop for :class:`batch_invariance_kit.serving.model.Qwen3Model` (and
+:class:`batch_invariance_kit.serving.deepseek.DeepSeekModel`, which has its interface):
+continuous batching, chunked prefill, a prefix cache, greedy and seeded sampling.
 
 One :meth:`Engine.run` takes a list of :class:`Request` (token-id prompts; each arrives at a
 given step) and runs steps until all are done.  Each step is one forward pass over a varlen

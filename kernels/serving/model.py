@@ -43,7 +43,8 @@ from ..verify.harness import seeded_normal
 from ..ops.matmul import linear
 
 __all__ = ["IMPLS", "FAMILIES", "resolve_impl", "Qwen3Config", "StepBatch", "Qwen3Model", "param_names",
-           "random_weights", "init_weight"]
+           "random_weights", "init_weight", "rope_tables", "apply_rope", "swiglu_mlp", "save_hf_folder",
+           "read_hf_folder"]
 
 IMPLS = ("invariant", "variant")
 
@@ -195,6 +196,63 @@ def random_weights(cfg: Qwen3Config) -> dict:
             for name, shape in param_names(cfg)}
 
 
+def rope_tables(dim: int, theta: float, max_positions: int, device) -> tuple:
+    """RoPE's ``(cos, sin)`` of every position, ``(max_positions, dim)`` fp32 (rotate-half layout:
+    the frequencies twice), computed once in float64 and rounded, so a token's values never
+    depend on the batch it is part of."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], dim=1)
+    return ang.cos().to(dtype=torch.float32, device=device), ang.sin().to(dtype=torch.float32, device=device)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half (neox-style) RoPE of ``x`` ``(T, heads, dim)`` at ``positions`` ``(T,)``:
+    element-wise fp32 ``x * cos + rotate_half(x) * sin`` from the tables of :func:`rope_tables`,
+    rounded to x's dtype."""
+    c = cos[positions][:, None, :]
+    s = sin[positions][:, None, :]
+    xf = x.float()
+    h = xf.shape[-1] // 2
+    rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
+    return (xf * c + rot * s).to(x.dtype)
+
+
+def swiglu_mlp(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, impl: str = "invariant",
+               config=None) -> torch.Tensor:
+    """The dense SwiGLU MLP: ``down(silu(gate h) * up h)`` with the kit's matmul (``gate_up``: the
+    gate rows, then the up rows); SiLU-and-mul in fp32, element-wise, rounded to h's dtype."""
+    gu = linear(h, gate_up, impl=impl, config=config)
+    inter = gu.shape[1] // 2
+    act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(gu.dtype)
+    return linear(act, down, impl=impl, config=config)
+
+
+def save_hf_folder(folder: str, config: dict, weights: dict) -> dict:
+    """A Hugging Face folder: ``config.json`` (``config``) and one ``model.safetensors`` (the
+    ``weights``, copied to the CPU); returns ``{"config": path, "weights": path, "format":
+    "safetensors"}``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    cpath = os.path.join(folder, "config.json")
+    with open(cpath, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    wpath = os.path.join(folder, "model.safetensors")
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in weights.items()}, wpath, metadata={"format": "pt"})
+    return {"config": cpath, "weights": wpath, "format": "safetensors"}
+
+
+def read_hf_folder(folder: str) -> tuple:
+    """``(config dict, {name: tensor})`` of a folder with ``config.json`` and one
+    ``model.safetensors``."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    return config, load_file(os.path.join(folder, "model.safetensors"))
+
+
 FAMILIES = ("norm", "linear", "attention", "moe")
 
 
@@ -287,35 +345,18 @@ class Qwen3Model:
             self.layers.append(L)
         self.norm = g("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else g("lm_head.weight")
-        # RoPE (Qwen3: rotate-half / neox style): cos/sin of every position, computed once in
-        # float64 and rounded, so a token's values never depend on the batch it is part of.
-        d = cfg.head_dim
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        ang = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)[:, None] * inv[None, :]
-        ang = torch.cat([ang, ang], dim=1)
-        self.cos = ang.cos().to(dtype=torch.float32, device=dev)
-        self.sin = ang.sin().to(dtype=torch.float32, device=dev)
+        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, dev)
 
     # ---------------------------------------------------------------------------------- I/O
     def save_pretrained(self, folder: str) -> dict:
         """Write ``config.json`` and ``model.safetensors`` (HF names) to ``folder``; returns
         ``{"config": path, "weights": path, "format": "safetensors"}``."""
-        os.makedirs(folder, exist_ok=True)
-        cpath = os.path.join(folder, "config.json")
-        with open(cpath, "w") as f:
-            json.dump(self.cfg.hf_config(), f, indent=2, sort_keys=True)
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.weights.items()}
-        from safetensors.torch import save_file
-        wpath = os.path.join(folder, "model.safetensors")
-        save_file(tensors, wpath, metadata={"format": "pt"})
-        return {"config": cpath, "weights": wpath, "format": "safetensors"}
+        return save_hf_folder(folder, self.cfg.hf_config(), self.weights)
 
     @classmethod
     def from_pretrained(cls, folder: str, device=None) -> "Qwen3Model":
-        with open(os.path.join(folder, "config.json")) as f:
-            cfg = Qwen3Config.from_hf_config(json.load(f))
-        from safetensors.torch import load_file
-        return cls(cfg, load_file(os.path.join(folder, "model.safetensors")), device=device)
+        config, weights = read_hf_folder(folder)
+        return cls(Qwen3Config.from_hf_config(config), weights, device=device)
 
     # ------------------------------------------------------------------------------ forward
     def new_kv_cache(self, num_blocks: int, block_size: int) -> list:
@@ -325,12 +366,7 @@ class Qwen3Model:
                             device=self.device) for _ in range(c.num_hidden_layers)]
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        xf = x.float()
-        h = xf.shape[-1] // 2
-        rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
-        return (xf * cos + rot * sin).to(x.dtype)
+        return apply_rope(x, positions, self.cos, self.sin)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over tensor-parallel ranks of a row-parallel output (``o_proj``, the MLP or MoE
@@ -375,10 +411,7 @@ class Qwen3Model:
                 m = MOE.fused_moe(h, L.router, L.experts_gate_up, L.experts_down, c.num_experts_per_tok,
                                   renormalize=c.norm_topk_prob, impl=im["moe"])
             else:
-                gu = linear(h, L.gate_up, impl=im["linear"], config=lc)
-                inter = gu.shape[1] // 2
-                act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(gu.dtype)
-                m = linear(act, L.down, impl=im["linear"], config=lc)
+                m = swiglu_mlp(h, L.gate_up, L.down, impl=im["linear"], config=lc)
             m = self.all_reduce(m)
             nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             h, residual = RN.fused_add_rms_norm(m, residual, nxt, eps, impl=im["norm"])
