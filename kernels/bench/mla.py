@@ -1,7 +1,10 @@
 """MLA on a GPU: the kit's absorbed kernel (decode and prefill) beside an SDPA formulation of the
 same absorbed math (the peer when neither vLLM's Triton MLA decode kernel nor FlashMLA is
 imported), at DeepSeek-V3 sizes (128 heads, latent 512, rope 64).  Rows in the results shape
-``{"op", "impl", <shape keys>, "median_us"}``."""
+``{"op", "impl", <shape keys>, "median_us", "p25_us", "p75_us", ...}``.
+
+    python -m batch_invariance_kit.bench.mla [--out DIR]     # on a GPU: mla_bench.json
+"""
 from __future__ import annotations
 
 import torch
@@ -30,10 +33,10 @@ def mla_rows(*, heads: int = 128, kv_lora_rank: int = 512, rope_dim: int = 64, b
         q = seeded_normal((S * q_len, heads, dim), 7, dtype=dtype, device=device)
         qq, bt, lens, qsl = c.args([(s, q[s * q_len:(s + 1) * q_len], n) for s in range(S)])
         for impl in ("invariant", "variant"):
-            us = median_us(lambda: M.mla_attention(qq, c.cache, bt, lens, qsl, kv_lora_rank=kv_lora_rank,
-                                                   scale=scale, impl=impl), reps=reps)
+            t = median_us(lambda: M.mla_attention(qq, c.cache, bt, lens, qsl, kv_lora_rank=kv_lora_rank,
+                                                  scale=scale, impl=impl), reps=reps)
             rows.append({"op": "mla_attention", "impl": impl, "num_seqs": S, "q_len": q_len, "seq_len": n,
-                         "heads": heads, "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, "median_us": us})
+                         "heads": heads, "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, **t})
         pos = torch.arange(n, device=device)
         lat = [c.cache[bt[s, pos // block_size].long(), pos % block_size] for s in range(S)]
         mask = (pos[None, :] <= torch.arange(n - q_len, n, device=device)[:, None])
@@ -45,6 +48,29 @@ def mla_rows(*, heads: int = 128, kv_lora_rank: int = 512, rope_dim: int = 64, b
                 v = lat[s][None, :, :kv_lora_rank].expand(heads, n, kv_lora_rank)
                 torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         rows.append({"op": "mla_attention", "impl": "sdpa", "num_seqs": S, "q_len": q_len, "seq_len": n,
-                     "heads": heads, "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim,
-                     "median_us": median_us(sdpa, reps=reps)})
+                     "heads": heads, "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, **median_us(sdpa, reps=reps)})
     return rows
+
+
+def main(argv=None) -> int:
+    """``python -m batch_invariance_kit.bench.mla [--out DIR]``: :func:`mla_rows` on this GPU,
+    printed and saved as ``DIR/mla_bench.json`` (default ``results/local``) with provenance."""
+    import argparse
+
+    from ..report import results
+
+    p = argparse.ArgumentParser(prog="python -m batch_invariance_kit.bench.mla", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="folder of mla_bench.json (default: results/local)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.mla times CUDA kernels: run it on a GPU box")
+    rows = mla_rows()
+    for r in rows:
+        print(f"{r['impl']:>9}  seqs {r['num_seqs']:>3}  q_len {r['q_len']:>5}  seq_len {r['seq_len']:>5}  "
+              f"{r['median_us']:10.1f} us")
+    print(f"wrote {results.save('mla_bench', rows, [], folder=args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
