@@ -11,13 +11,14 @@ import torch
 import triton
 
 from batch_invariance_kit.ops import attention as A
+from batch_invariance_kit.ops.attention.schedule import resolve_config
 
 
 def reference_split_plan(lens: list, kv_heads: int, impl: str, cfg: A.AttnConfig) -> list:
     """Keys per split for each sequence's last position (see :func:`A.split_plan`)."""
     if impl == "invariant":
         return [A.split_size_at(max(n - 1, 0), cfg) for n in lens]
-    num_splits = max(1, (2 * A._num_sms()) // max(1, len(lens) * kv_heads))
+    num_splits = max(1, (2 * A.num_sms()) // max(1, len(lens) * kv_heads))
     return [max(1, triton.cdiv(triton.cdiv(n, num_splits), cfg.block_n)) * cfg.block_n for n in lens]
 
 
@@ -31,7 +32,7 @@ def reference_make_plan(seq_lens, query_start_loc, *, q_heads: int, kv_heads: in
                         impl: str = "invariant", config=None, device="cpu", decode_capacity=None,
                         max_seq_len=None) -> A.AttnPlan:
     """:func:`A.make_plan` for valid input (lists or 1-D integer tensors), one element at a time."""
-    cfg = A._cfg(config)
+    cfg = resolve_config(config)
     lens = [int(x) for x in seq_lens]
     qsl = [int(x) for x in query_start_loc]
     dev = torch.device(device)

@@ -7,6 +7,8 @@ input is refused naming the argument.
 Sizes follow the config (``A.default_config()``: 32-key tiles and splits of 32 or 64 keys by
 position under the interpreter, 64-key tiles and 64-512-key splits on a GPU), so the same tests
 cross tile, split and cache-block (16) boundaries on both; head dim 32, 4 q heads over 2 kv heads.
+The sizes, data, cache and cases are :mod:`batch_invariance_kit.ops.attention.testing`'s, which
+chapter 6 runs too.
 """
 import dataclasses
 
@@ -15,15 +17,18 @@ import torch
 
 import batch_invariance_kit
 from batch_invariance_kit.ops import attention as A
+from batch_invariance_kit.ops.attention import launcher
+from batch_invariance_kit.ops.attention.testing import (BLOCK_SIZE as BS, HEAD_DIM as D, KV_HEADS as HKV,
+                                                        Q_HEADS as HQ, Cache, chunked_prefill_case, decode_lens,
+                                                        decode_op, mixed_batch_case, seq_data)
 from batch_invariance_kit.verify.guard import Guarded
 from batch_invariance_kit.verify.harness import bitwise_equal, check_invariance, seeded_normal
 
 DEV = batch_invariance_kit.DEVICE
 CFG = A.default_config()
 BN, SPLIT = CFG.block_n, CFG.split_size
-HQ, HKV, D, BS = 4, 2, 32, 16
 #: context lengths of the rows of a decode batch: across 1, a tile, a split, several splits
-LENS = [3 * SPLIT + 44, 1, 3 * SPLIT + 1, 2 * SPLIT, BN - 1, 4 * SPLIT - 7, BN + 1, 2 * SPLIT + 9]
+LENS = decode_lens(CFG)
 #: the tests' paged caches grow with the config's split size (the GPU config's contexts are longer)
 CACHE_SCALE = max(1, SPLIT // 64)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
@@ -33,61 +38,13 @@ def _name(dt):
     return str(dt).replace("torch.", "")
 
 
-def _seq(seed, r, n, dtype):
-    """Queries, keys and values of positions 0..n-1 of sequence ``r`` (the same on every machine
-    and every batch: a row's data depends only on (seed, r))."""
-    g = seed * 1_000_003 + r * 7919
-    q = seeded_normal((n, HQ, D), g + 1, dtype=dtype, device=DEV)
-    k = seeded_normal((n, HKV, D), g + 2, dtype=dtype, device=DEV)
-    v = seeded_normal((n, HKV, D), g + 3, dtype=dtype, device=DEV)
-    return q, k, v
-
-
-class Cache(A.PagedCache):
-    """The tests' paged cache (:class:`~batch_invariance_kit.ops.attention.PagedCache`): their
-    head shapes and cache blocks, blocks shuffled by ``seed``."""
-
-    def __init__(self, dtype, num_blocks=256 * CACHE_SCALE, seed=0):
-        super().__init__(num_blocks, BS, HKV, D, dtype, device=DEV, seed=seed)
-
-
-def _decode_op(dtype, impl):
-    """(f, make_batch) for the harness: row r = one sequence's context (keys, values) and the
-    query of its last position; f builds a fresh cache (blocks shuffled by the batch size),
-    writes the keys and decodes the whole batch at once."""
-    lmax = max(LENS)
-
-    def make(bs, seed=0):
-        qs, ks, vs, ls = [], [], [], []
-        for r in range(bs):
-            n = LENS[r % len(LENS)]
-            q, k, v = _seq(seed, r, n, dtype)
-            pad = torch.zeros((lmax - n, HKV, D), dtype=dtype, device=DEV)
-            qs.append(q[-1])
-            ks.append(torch.cat([k, pad]))
-            vs.append(torch.cat([v, pad]))
-            ls.append(n)
-        return torch.stack(qs), torch.stack(ks), torch.stack(vs), torch.tensor(ls, device=DEV)
-
-    def f(q, k, v, lens):
-        c = Cache(dtype, seed=q.shape[0])
-        steps = []
-        for i in range(q.shape[0]):
-            n = int(lens[i])
-            c.write(i, k[i, :n], v[i, :n], 0)
-            steps.append((i, q[i:i + 1], n))
-        return torch.cat(c.run(steps, impl=impl))
-
-    return f, make
-
-
 # ---------------------------------------------------------------------------------------------
 # (a) batch composition
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
 def test_a_decode_row_alone_equals_row_in_batch(dtype):
-    f, make = _decode_op(dtype, "invariant")
+    f, make = decode_op(dtype, "invariant")
     report = check_invariance(f, make, [1, 3, 8])
     assert report.passed, report.summary()
 
@@ -95,7 +52,7 @@ def test_a_decode_row_alone_equals_row_in_batch(dtype):
 def test_a_variant_split_kv_fails_the_same_check():
     """Negative control: the split count comes from the batch (2*SMs // (batch*kv_heads)), so a
     long row's split boundaries, and its merge, change with the batch size."""
-    f, make = _decode_op(torch.float32, "variant")
+    f, make = decode_op(torch.float32, "variant")
     plans = {bs: A.split_plan([LENS[0]] * bs, HKV, impl="variant", config=CFG)[0] for bs in (1, 2, 8)}
     assert len(set(plans.values())) > 1, plans
     report = check_invariance(f, make, [1, 2, 8], positions=[0], stop_at_first=True)
@@ -105,20 +62,7 @@ def test_a_variant_split_kv_fails_the_same_check():
 
 def test_a_prefill_chunk_in_a_mixed_batch():
     """A prompt prefilled alone == prefilled beside another prompt and a decode step."""
-    dt = torch.float32
-    n = BN * 3 + 5
-    q, k, v = _seq(3, 0, n, dt)
-    alone = Cache(dt, seed=1)
-    alone.write("x", k, v, 0)
-    ref = alone.run([("x", q, n)])[0]
-    c = Cache(dt, seed=2)
-    qy, ky, vy = _seq(3, 1, SPLIT + 7, dt)
-    qz, kz, vz = _seq(3, 2, BN + 3, dt)
-    c.write("y", ky, vy, 0)
-    c.write("x", k, v, 0)
-    c.write("z", kz, vz, 0)
-    outs = c.run([("y", qy[-1:], SPLIT + 7), ("x", q, n), ("z", qz, BN + 3)])
-    assert bitwise_equal(outs[1], ref)
+    assert bitwise_equal(*mixed_batch_case(torch.float32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,17 +71,8 @@ def test_a_prefill_chunk_in_a_mixed_batch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
 def test_b_chunked_prefill_equals_one_chunk(dtype):
-    n = 2 * SPLIT + BN + 5
-    q, k, v = _seq(5, 0, n, dtype)
-    one = Cache(dtype, seed=3)
-    one.write("s", k, v, 0)
-    ref = one.run([("s", q, n)])[0]
-    c = Cache(dtype, seed=4)
-    got = []
-    for a, b in ((0, BN), (BN, SPLIT + BN), (SPLIT + BN, n)):  # chunk starts at tile edges (any start: test_attention_steps)
-        c.write("s", k[a:b], v[a:b], a)
-        got.append(c.run([("s", q[a:b], b)])[0])
-    assert bitwise_equal(torch.cat(got), ref)
+    """Chunks starting at tile edges (any start: test_attention_steps) == one chunk."""
+    assert bitwise_equal(*chunked_prefill_case(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=_name)
@@ -145,8 +80,8 @@ def test_c_prefix_cache_hit_equals_recompute(dtype):
     """Sequence B shares A's first P keys (P a multiple of block_n here; any P: test_attention_steps): B computed from the cached
     blocks of A (only its own tokens run) == B prefilled from scratch, bitwise."""
     p_len, own = SPLIT + BN, BN + 11
-    qa, ka, va = _seq(7, 0, p_len + 20, dtype)
-    qb, kb, vb = _seq(7, 1, p_len + own, dtype)
+    qa, ka, va = seq_data(7, 0, p_len + 20, dtype)
+    qb, kb, vb = seq_data(7, 1, p_len + own, dtype)
     kb[:p_len], vb[:p_len] = ka[:p_len], va[:p_len]  # the shared prefix (same tokens -> same K/V)
     qb[:p_len] = qa[:p_len]
     c = Cache(dtype, seed=5)
@@ -168,7 +103,7 @@ def test_d_prefill_equals_decode_at_every_position(dtype):
     seq_len = t + 1, one launch; every position for fp32, every 5th and the boundaries for
     16-bit) and a few positions decoded alone: the same bits."""
     n = 2 * SPLIT + BN + 3
-    q, k, v = _seq(11, 0, n, dtype)
+    q, k, v = seq_data(11, 0, n, dtype)
     c = Cache(dtype, seed=7)
     c.write("s", k, v, 0)
     pre = c.run([("s", q, n)])[0]
@@ -217,10 +152,10 @@ def test_decode_tiles_give_the_bits_of_one_tile_shape():
     c = Cache(dtype, seed=3)
     steps = []
     for r, n in enumerate(LENS):
-        q, k, v = _seq(5, r, n, dtype)
+        q, k, v = seq_data(5, r, n, dtype)
         c.write(r, k, v, 0)
         steps.append((r, q[-1:], n))
-    qp, kp, vp = _seq(5, 99, 2 * BN, dtype)  # a 2-tile prefill chunk in the same launch
+    qp, kp, vp = seq_data(5, 99, 2 * BN, dtype)  # a 2-tile prefill chunk in the same launch
     c.write("p", kp, vp, 0)
     steps.append(("p", qp, 2 * BN))
     q, lens, qsl, plan = _plan(steps, CFG)
@@ -236,7 +171,7 @@ def test_left_fold_over_many_splits():
     at split edges, serial == per split, close to float64."""
     cfg = A.AttnConfig(block_n=32, block_m=32, split_size=32, split_target=None, serial_programs=None)
     n, dtype = 560, torch.bfloat16
-    q, k, v = _seq(12, 0, n, dtype)
+    q, k, v = seq_data(12, 0, n, dtype)
     c = Cache(dtype, seed=8)
     c.write("s", k, v, 0)
     pre = c.run([("s", q[480:], n)], config=cfg)[0]  # a chunk from key 480: rows with 16-18 splits
@@ -256,10 +191,10 @@ def _mixed_steps(c, seed, dtype):
     3 tiles, 1-2 splits), written to cache ``c``: the steps of one mixed launch."""
     steps = []
     for r, n in enumerate(LENS):
-        q, k, v = _seq(seed, r, n, dtype)
+        q, k, v = seq_data(seed, r, n, dtype)
         c.write(r, k, v, 0)
         steps.append((r, q[-1:], n))
-    qp, kp, vp = _seq(seed, 99, 3 * BN + 5, dtype)
+    qp, kp, vp = seq_data(seed, 99, 3 * BN + 5, dtype)
     c.write("p", kp, vp, 0)
     steps.append(("p", qp[BN:], 3 * BN + 5))
     return steps
@@ -317,9 +252,10 @@ def test_merge_load_schedule_gives_the_same_bits(monkeypatch):
     steps = _mixed_steps(c, 9, torch.bfloat16)
     serial = torch.cat(c.run(steps, config=dataclasses.replace(CFG, serial_programs=1)))
     par = dataclasses.replace(CFG, serial_programs=None)
-    for cols, chunk in ((A.MERGE_COLUMNS, A.FOLD_CHUNK), (32, 16), (8, 2)):  # this device's, the GPU's, another
-        monkeypatch.setattr(A, "MERGE_COLUMNS", cols)
-        monkeypatch.setattr(A, "FOLD_CHUNK", chunk)
+    # this device's schedule, the GPU's, another
+    for cols, chunk in ((launcher.MERGE_COLUMNS, launcher.FOLD_CHUNK), (32, 16), (8, 2)):
+        monkeypatch.setattr(launcher, "MERGE_COLUMNS", cols)
+        monkeypatch.setattr(launcher, "FOLD_CHUNK", chunk)
         assert bitwise_equal(torch.cat(c.run(steps, config=par)), serial), (cols, chunk)
 
 
@@ -334,7 +270,7 @@ def test_graded_splits_keep_a_and_d():
     with pytest.raises(ValueError, match="split_target"):
         dataclasses.replace(CFG, split_target=0)
     n, dtype = 9 * BN + 7, torch.bfloat16
-    q, k, v = _seq(13, 0, n, dtype)
+    q, k, v = seq_data(13, 0, n, dtype)
     c = Cache(dtype, seed=9)
     c.write("s", k, v, 0)
     pre = c.run([("s", q, n)], config=cfg)[0]
@@ -364,7 +300,7 @@ def test_accuracy_vs_float64_and_sdpa(dtype):
     c = Cache(dtype, seed=8)
     steps = []
     for r, (n, ql) in enumerate([(SPLIT + 9, 1), (2 * SPLIT + 3, 2 * SPLIT + 3), (3 * BN, BN), (5, 5)]):
-        q, k, v = _seq(13, r, n, dtype)
+        q, k, v = seq_data(13, r, n, dtype)
         c.write(r, k, v, 0)
         steps.append((r, q[n - ql:], n))
     for impl in ("invariant", "variant", "sdpa"):
@@ -382,7 +318,7 @@ def test_guards_every_element_written_nothing_else(impl):
     c.k, c.v = gk.tensor, gv.tensor
     steps = []
     for r, (n, ql) in enumerate([(SPLIT + BN + 3, SPLIT + BN + 3), (2 * SPLIT + 1, 1), (BN + 2, 2)]):
-        q, k, v = _seq(17, r, n, dt)
+        q, k, v = seq_data(17, r, n, dt)
         if n > ql:
             c.write(r, k[:n - ql], v[:n - ql], 0)
         c.write(r, k[n - ql:], v[n - ql:], n - ql)
@@ -414,7 +350,7 @@ def test_paged_cache_hands_out_blocks_and_assembles_steps():
     dt = torch.float32
     perm = torch.randperm(8, generator=torch.Generator().manual_seed(5)).tolist()
     c = A.PagedCache(8, BS, HKV, D, dt, device=DEV, seed=5)
-    q, k, v = _seq(31, 0, BS + 3, dt)
+    q, k, v = seq_data(31, 0, BS + 3, dt)
     c.write("a", k[:5], v[:5], 0)
     assert c.tables["a"] == perm[-1:]
     c.write("a", k[5:], v[5:], 5)  # a chunk across a block edge: one more block
@@ -514,7 +450,7 @@ def test_step_keys_and_values_give_the_cache_bits():
     dt = torch.bfloat16
     c = Cache(dt, seed=3)
     n = 2 * SPLIT + BN + 5
-    q, k, v = _seq(5, 0, n, dt)
+    q, k, v = seq_data(5, 0, n, dt)
     c.write("x", k, v, 0)
     start = BN + 3  # the chunk's first whole KV tile is tile 2
     step = [("x", q[start:], n)]

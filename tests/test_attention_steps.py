@@ -9,14 +9,17 @@ lies inside one KV tile; the planner tests check that property directly.
 """
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from batch_invariance_kit.ops import attention as A
+from batch_invariance_kit.ops.attention.testing import (BLOCK_SIZE as BS, HEAD_DIM as D, KV_HEADS as HKV,
+                                                        Q_HEADS as HQ, Cache, seq_data)
 from batch_invariance_kit.verify.guard import Guarded
 from batch_invariance_kit.verify.harness import bitwise_equal
 
-from test_attention import BN, BS, CFG, D, DEV, HKV, HQ, LENS, SPLIT, Cache, _seq
+from test_attention import BN, CFG, DEV, LENS, SPLIT
 
 
 def _cuts(n, seed, k):
@@ -30,14 +33,14 @@ def test_random_chunk_boundaries_equal_one_chunk(dtype):
     """A prompt prefilled in chunks cut at random positions (each chunk beside a decode step of
     another sequence) == the prompt prefilled in one chunk, bitwise."""
     n = 2 * SPLIT + BN + 11
-    q, k, v = _seq(21, 0, n, dtype)
+    q, k, v = seq_data(21, 0, n, dtype)
     one = Cache(dtype, seed=11)
     one.write("s", k, v, 0)
     ref = one.run([("s", q, n)])[0]
     cuts = _cuts(n, 5, 4)
     assert any(c % 2 for c in cuts[1:-1]), cuts  # starts that are not tile, split or block edges
     c = Cache(dtype, seed=12)
-    qo, ko, vo = _seq(21, 1, SPLIT + 5, dtype)
+    qo, ko, vo = seq_data(21, 1, SPLIT + 5, dtype)
     c.write("o", ko, vo, 0)
     got = []
     for a, b in zip(cuts, cuts[1:]):
@@ -53,8 +56,8 @@ def test_prefix_hit_on_cache_blocks_equals_recompute():
     for p_len in (3 * BS, SPLIT + BS):
         assert p_len % BN
         own = BN + 7
-        qa, ka, va = _seq(23, 0, p_len + 9, dtype)
-        qb, kb, vb = _seq(23, 1, p_len + own, dtype)
+        qa, ka, va = seq_data(23, 0, p_len + 9, dtype)
+        qb, kb, vb = seq_data(23, 1, p_len + own, dtype)
         kb[:p_len], vb[:p_len], qb[:p_len] = ka[:p_len], va[:p_len], qa[:p_len]
         c = Cache(dtype, seed=13)
         c.write("a", ka, va, 0)
@@ -72,7 +75,7 @@ def test_token_at_a_time_and_verify_steps_equal_one_chunk():
     one-chunk prefill."""
     dtype = torch.bfloat16
     n = SPLIT + 9
-    q, k, v = _seq(25, 0, n, dtype)
+    q, k, v = seq_data(25, 0, n, dtype)
     one = Cache(dtype, seed=15)
     one.write("s", k, v, 0)
     ref = one.run([("s", q, n)])[0]
@@ -94,12 +97,12 @@ def test_variant_still_caught_at_any_start():
     the same bits alone and beside seven decode steps, the split-KV variant does not."""
     dtype = torch.float32
     n = LENS[0]
-    q, k, v = _seq(27, 0, n, dtype)
+    q, k, v = seq_data(27, 0, n, dtype)
     c = Cache(dtype, seed=17)
     c.write("s", k, v, 0)
     others = []
     for r in range(1, 8):
-        qr, kr, vr = _seq(27, r, LENS[r], dtype)
+        qr, kr, vr = seq_data(27, r, LENS[r], dtype)
         c.write(r, kr, vr, 0)
         others.append((r, qr[-1:], LENS[r]))
     step = ("s", q[n - 3:], n)
@@ -144,10 +147,10 @@ def _layers_steps(dtype):
         c = Cache(dtype, seed=30 + layer)
         steps = []
         for r, n in enumerate(LENS[:5]):
-            q, k, v = _seq(40 + layer, r, n, dtype)
+            q, k, v = seq_data(40 + layer, r, n, dtype)
             c.write(r, k, v, 0)
             steps.append((r, q[-1:], n))
-        q, k, v = _seq(40 + layer, 9, 2 * BN + 3, dtype)
+        q, k, v = seq_data(40 + layer, 9, 2 * BN + 3, dtype)
         c.write("p", k, v, 0)
         steps.append(("p", q[BN - 7:], 2 * BN + 3))
         layers.append((c, steps))
@@ -189,19 +192,20 @@ def test_one_plan_per_step_shared_by_layers():
 @pytest.mark.parametrize("serial", [False, True], ids=["parallel", "serial"])
 def test_fixed_size_decode_plan_for_cuda_graphs(serial):
     """A decode plan padded to ``decode_capacity`` tiles with a workspace for ``max_seq_len``:
-    the same bits as the exact plan, nothing written for the padding (guarded output), and a
-    plan of another decode step copied into its buffers (:meth:`AttnPlan.copy_`) replays that
-    step with the same launch."""
+    the same bits as the exact plan, nothing written for the padding (guarded output).  Viewed
+    over one persistent buffer laid out by :class:`PlanLayout` (16-byte aligned, as on a GPU),
+    the host plan of another decode step written into that buffer replays that step with the
+    same plan object (the same tensors and pointers: what a CUDA graph records)."""
     dtype = torch.float32
     cfg = CFG.__class__(**{**CFG.as_dict(), "serial_programs": 1 if serial else None})
     c = Cache(dtype, seed=50)
     steps_a, steps_b = [], []
     for r, n in enumerate(LENS[:5]):
-        q, k, v = _seq(51, r, n + 3, dtype)
+        q, k, v = seq_data(51, r, n + 3, dtype)
         c.write(r, k, v, 0)
         steps_a.append((r, q[n - 1:n], n))
         steps_b.append((r, q[n + 2:n + 3], n + 3))
-    kw = dict(q_heads=HQ, kv_heads=HKV, head_dim=D, config=cfg, device=DEV)
+    kw = dict(q_heads=HQ, kv_heads=HKV, head_dim=D, config=cfg, device="cpu")  # host plans, as an engine builds them
     padded = None
     for steps in (steps_a, steps_b):
         q, bt, lens_t, qsl_t, lens, qsl = _args(c, steps)
@@ -209,13 +213,48 @@ def test_fixed_size_decode_plan_for_cuda_graphs(serial):
         plan = A.make_plan(lens, qsl, decode_capacity=8, max_seq_len=4 * SPLIT, **kw)
         assert plan.decode.seq.numel() == 8 and plan.decode.serial is serial
         if padded is None:
-            padded = plan
-        else:
-            padded.copy_(plan)
+            layout = A.PlanLayout.of(plan)
+            assert all(at % layout.ALIGN == 0 for at in layout.offsets)
+            host = np.zeros(layout.size, dtype=np.int32)
+            buf = torch.zeros(layout.size, dtype=torch.int32, device=DEV)
+            padded = layout.over(buf, plan, acc=plan.merge.acc.to(DEV), ml=plan.merge.ml.to(DEV))
+            pointers = [t.data_ptr() for t in padded.tensors()]
+        layout.write(host, plan)
+        buf.copy_(torch.from_numpy(host))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(padded.tensors(), plan.tensors()))
         g = Guarded(tuple(q.shape), dtype, DEV)
         A.launch(padded, q, c.k, c.v, bt, D ** -0.5, g.tensor)
         g.check()
         assert g.unwritten() == 0
         assert bitwise_equal(g.tensor, want)
-    with pytest.raises(ValueError, match="sizes and launch modes"):
-        padded.copy_(A.make_plan(lens, qsl, **kw))
+    assert [t.data_ptr() for t in padded.tensors()] == pointers
+    with pytest.raises(ValueError, match="this layout holds"):  # an unpadded plan: 5 decode tiles, not 8
+        layout.write(host, A.make_plan(lens, qsl, **kw))
+
+
+@pytest.mark.parametrize("align", [False, True], ids=["end-to-end", "aligned"])
+def test_plan_layout_packs_and_views_one_buffer(align):
+    """The plan's one layout: the buffer the planner packs from host arrays (:meth:`PlanLayout.pack`)
+    is the buffer a plan is written into (:meth:`PlanLayout.write`), and its views
+    (:meth:`PlanLayout.over`) are the plan's index tensors, in :attr:`PlanLayout.FIELDS` order;
+    aligned, every tensor starts on a 16-byte boundary.  A mixed step (decode rows, a chunk,
+    a padding entry) fills every group."""
+    lens, qsl = [*LENS[:4], 2 * BN + 3, 0], [0, 1, 2, 3, 4, 4 + BN + 6, 4 + BN + 6]
+    plan = A.make_plan(lens, qsl, q_heads=HQ, kv_heads=HKV, head_dim=D,
+                       config=CFG.__class__(**{**CFG.as_dict(), "serial_programs": None}), device="cpu")
+    tensors = plan.tensors()
+    assert [t.numel() > 0 for t in tensors] == [True] * len(A.PlanLayout.FIELDS)
+    assert all(t is getattr(getattr(plan, g), f) for t, (g, f) in zip(tensors, A.PlanLayout.FIELDS))
+    layout = A.PlanLayout.of(plan, align=align)
+    packed = layout.pack([t.numpy() for t in tensors])
+    written = np.full(layout.size, 7, dtype=np.int32)
+    layout.write(written, plan)
+    gaps = np.ones(layout.size, dtype=bool)
+    for at, t in zip(layout.offsets, tensors):
+        assert at % (layout.ALIGN if align else 1) == 0
+        gaps[at:at + t.numel()] = False
+    assert layout.size == sum(t.numel() for t in tensors) + int(gaps.sum())
+    assert (packed[gaps] == 0).all() and np.array_equal(packed[~gaps], written[~gaps])
+    again = layout.over(torch.from_numpy(packed), plan)
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(again.tensors(), tensors))
+    assert all(x == y for x, y in zip(again.tiles[6:], plan.tiles[6:])) and again.merge.acc is plan.merge.acc

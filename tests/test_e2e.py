@@ -27,6 +27,7 @@ import torch
 
 import batch_invariance_kit
 from batch_invariance_kit.ops import attention as A
+from batch_invariance_kit.ops.attention import schedule
 from batch_invariance_kit.serving.model import Qwen3Config, Qwen3Model, param_names
 from batch_invariance_kit.serving.engine import Engine, Request, completion_key, load_experiment, seeded_prompt
 
@@ -137,7 +138,7 @@ def test_load_experiment_attention_variant_differs(dense, monkeypatch):
     prompt is 70 * block_n / 32 tokens, which scales the interpreter's case (32-key tiles,
     70 tokens) to the active tile: copies at the same position then get splits of different
     numbers of tiles, depending on how many sequences share their step."""
-    monkeypatch.setattr(A, "_num_sms", lambda: 8)
+    monkeypatch.setattr(schedule, "num_sms", lambda: 8)
     r = load_experiment(dense, _prompt(70 * BN // 32, 7), impl={"attention": "variant"}, **LOAD)
     assert r["unique_logprob_sequences"] > 1
 

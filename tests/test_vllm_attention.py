@@ -19,11 +19,12 @@ import torch
 
 pytest.importorskip("vllm")
 
+from batch_invariance_kit.device import DEVICE  # noqa: E402
 from batch_invariance_kit.ops import attention as A  # noqa: E402
 from batch_invariance_kit.verify.harness import bitwise_equal, seeded_normal  # noqa: E402
 from batch_invariance_kit.vllm import attention_backend as KB  # noqa: E402
 
-DEV = A.DEVICE
+DEV = DEVICE
 HQ, HKV, D, BS = 4, 2, 32, 16
 
 

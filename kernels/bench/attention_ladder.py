@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ..ops import attention as A
-from ..ops.attention import _fold, _row_sum
+from ..ops.attention.kernels import _fold, _row_sum
 from .timing import median_us_graph_or_plain
 from ..verify.harness import bitwise_equal
 
@@ -89,7 +89,7 @@ def _ladder_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N: tl.constexpr, 
 
 @triton.jit
 def _ladder_fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, EXP2: tl.constexpr):
-    """The kit's fold (:func:`~batch_invariance_kit.ops.attention._fold`), in base 2 when ``EXP2``."""
+    """The kit's fold (:func:`~batch_invariance_kit.ops.attention.kernels._fold`), in base 2 when ``EXP2``."""
     if EXP2:
         m_new = tl.maximum(m, m_i)
         a = tl.exp2(m - m_new)

@@ -141,9 +141,10 @@ def stubbed_launches():
     (its ``run`` replaced on the kernel object): a call's host path runs, no kernel does."""
     from triton.runtime.jit import KernelInterface
 
-    from ..ops import attention, matmul, moe, rms_norm
+    from ..ops import matmul, moe, rms_norm
+    from ..ops.attention import cache, kernels as attention_kernels
 
-    kernels = {id(v): v for m in (matmul, rms_norm, moe, attention) for v in vars(m).values()
+    kernels = {id(v): v for m in (matmul, rms_norm, moe, attention_kernels, cache) for v in vars(m).values()
                if isinstance(v, KernelInterface)}
     for k in kernels.values():
         k.run = _no_launch

@@ -8,7 +8,9 @@ from the batch, as production kernels do) and its *invariant* implementation.
 * :mod:`.moe`: router, dispatch, grouped GEMM, combine;
 * :mod:`.routing`: DeepSeek routing (sigmoid scores with a correction bias, group-limited top-k,
   renormalised and scaled) and the routed + shared-expert layer;
-* :mod:`.attention`: paged attention with split sizes fixed per position;
+* :mod:`.attention`: paged attention with split sizes fixed per position, a package by role
+  (schedule, cache, kernels, plan and its one layout, launcher, ops, validate, reference,
+  testing);
 * :mod:`.mla`: Multi-head Latent Attention over a paged latent cache, one (absorbed) form for
   prefill and decode;
 * :mod:`.override`: ``torch.library`` override mode that routes a model's torch ops to the kit;

@@ -110,10 +110,10 @@ def _compiled_mode():
         torch.cuda.current_device = lambda: 0
         torch.cuda.get_device_properties = lambda *a, **k: _Props()
         torch.cuda.get_device_capability = lambda *a, **k: (ARCH // 10, ARCH % 10)
-    from batch_invariance_kit.ops import attention
+    from batch_invariance_kit.ops.attention import launcher
 
-    if device.DEVICE.type != "cuda" and hasattr(attention, "_pdl"):
-        attention._pdl = lambda dev: True  # sm_90 launches the merge with PDL
+    if device.DEVICE.type != "cuda":
+        launcher._pdl = lambda dev: True  # sm_90 launches the merge with PDL
     return device.DEVICE
 
 
@@ -368,8 +368,8 @@ def record_launches(only=None) -> list:
 
 def kit_kernels() -> set:
     """Names of the kit's Triton *kernels*: the ``@triton.jit`` functions of the op modules
-    (every module of ``ops/`` that holds one) that no other jit function of the kit calls (the rest are device functions, compiled
-    inside the kernels that call them)."""
+    (every module of ``ops/`` and of its packages that holds one) that no other jit function of
+    the kit calls (the rest are device functions, compiled inside the kernels that call them)."""
     import importlib
     import pathlib
 
@@ -378,10 +378,12 @@ def kit_kernels() -> set:
     from .. import ops
 
     found = []  # (jit function, whether another jit function of its module calls it)
-    for path in sorted(pathlib.Path(ops.__file__).parent.glob("*.py")):
+    root = pathlib.Path(ops.__file__).parent
+    for path in sorted(root.rglob("*.py")):  # the op modules, and the modules of op packages (attention/)
         if "@triton.jit" not in path.read_text():
             continue
-        mod = importlib.import_module(f"batch_invariance_kit.ops.{path.stem}")
+        parts = [p for p in path.relative_to(root).with_suffix("").parts if p != "__init__"]
+        mod = importlib.import_module(".".join(["batch_invariance_kit.ops", *parts]))
         fns = {n: f for n, f in vars(mod).items() if isinstance(f, JITFunction)}
         for n, f in fns.items():
             pat = re.compile(rf"\b{re.escape(n)}\s*\(")

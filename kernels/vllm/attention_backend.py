@@ -61,7 +61,6 @@ split-KV *variant* (the negative control) or back.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -69,6 +68,7 @@ import numpy as np
 import torch
 
 from ..checks import positive_int
+from ..device import DEVICE
 from ..ops import attention as A
 
 try:  # vLLM's interface (0.32: vllm.v1.attention.backend; older releases: vllm.attention.backends.abstract)
@@ -225,16 +225,6 @@ def host_seq_lens(m, n_reqs: int, *, speculative: bool = False) -> torch.Tensor 
     return None
 
 
-def _parts(sizes: list) -> tuple:
-    """``(offsets, total)`` of int32 parts of ``sizes`` laid end to end, each starting on a
-    16-byte boundary (Triton specialises a kernel on its pointer arguments' alignment)."""
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += -(-n // 4) * 4
-    return offsets, max(total, 4)
-
-
 class DecodePlanBuffers:
     """One padded decode plan in persistent buffers: what a full CUDA graph of a decode step
     records and replays.
@@ -242,8 +232,9 @@ class DecodePlanBuffers:
     ``make_plan(..., decode_capacity=capacity, max_seq_len=max_seq_len)`` gives every decode step
     of up to ``capacity`` one-token sequences the same tensor sizes and launch grid but for the
     per-token entries (the last three index tensors: ``num_tokens`` entries each).  The buffers
-    hold each of the plan's index tensors at its capacity, 16-byte aligned, in one int32 device
-    tensor, and its workspace; :meth:`refill` builds a step's padded plan on the host, writes it
+    hold each of the plan's index tensors at its capacity in one int32 device tensor, laid out
+    by the plan's layout (:class:`~batch_invariance_kit.ops.attention.PlanLayout`, 16-byte
+    aligned), and its workspace; :meth:`refill` builds a step's padded plan on the host, writes it
     into a host staging copy (pinned on CUDA) and moves that to the device in one asynchronous
     copy, and returns the step's plan as views of the buffers: the same pointers at every step.
     Entries past a step's tokens keep older values that no program reads (a token's entries are
@@ -259,15 +250,13 @@ class DecodePlanBuffers:
         # the largest step: every tensor at its capacity
         full = A.make_plan([max_seq_len] * capacity, np.arange(capacity + 1), device="cpu", **self._kw)
         self._launch = self._launch_shape(full)
-        self._sizes = [t.numel() for t in full.tensors()]
-        self._offsets, total = _parts(self._sizes)
-        dev = A.DEVICE if device is None else torch.device(device)
-        self.buffer = torch.zeros(total, dtype=torch.int32, device=dev)
+        self.layout = A.PlanLayout.of(full)
+        dev = DEVICE if device is None else torch.device(device)
+        self.buffer = torch.zeros(self.layout.size, dtype=torch.int32, device=dev)
         cuda = self.buffer.is_cuda
-        self._stage = torch.zeros(total, dtype=torch.int32, pin_memory=True) if cuda else self.buffer
+        self._stage = torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=True) if cuda else self.buffer
         self._stage_np = self._stage.numpy()
         self._copied = torch.cuda.Event() if cuda else None  # the last copy out of the staging buffer
-        self._views = [self.buffer[o:o + n] for o, n in zip(self._offsets, self._sizes)]
         self.acc = torch.zeros(full.merge.acc.shape, dtype=torch.float32, device=dev)
         self.ml = torch.zeros(full.merge.ml.shape, dtype=torch.float32, device=dev)
         self._plans: dict = {}
@@ -288,27 +277,15 @@ class DecodePlanBuffers:
                              f"at most {self.capacity} of them)")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the staging buffer
-        for o, t in zip(self._offsets, plan.tensors()):
-            if t.numel():
-                self._stage_np[o:o + t.numel()] = t.numpy()
+        self.layout.write(self._stage_np, plan)
         if self._copied is not None:
             self.buffer.copy_(self._stage, non_blocking=True)
             self._copied.record()
-        return self._views_plan(plan)
-
-    def _views_plan(self, host: A.AttnPlan) -> A.AttnPlan:
-        """``host`` over the buffers (one plan object per token count, built once): every index
-        tensor at its capacity, the per-token ones (the last three) cut to the step's tokens."""
-        n = host.num_tokens
-        plan = self._plans.get(n)
-        if plan is None:
-            v = [*self._views[:11], *(view[:n] for view in self._views[11:])]
-            plan = self._plans[n] = dataclasses.replace(
-                host,
-                tiles=host.tiles._replace(seq=v[0], tok=v[1], rows=v[2], pos=v[3], split=v[4]),
-                decode=host.decode._replace(seq=v[5], tok=v[6], rows=v[7], pos=v[8], split=v[9]),
-                merge=host.merge._replace(tokens=v[10], rank=v[11], pos=v[12], split=v[13], acc=self.acc, ml=self.ml))
-        return plan
+        # the plan over the buffers, one object per token count (built once)
+        views = self._plans.get(plan.num_tokens)
+        if views is None:
+            views = self._plans[plan.num_tokens] = self.layout.over(self.buffer, plan, acc=self.acc, ml=self.ml)
+        return views
 
 
 @dataclass
