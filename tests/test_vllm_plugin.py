@@ -303,10 +303,11 @@ def test_vllms_mode_under_kit_mode(kit_vllm, driver_vllm, monkeypatch):
     from batch_invariance_kit.ops import override as O
 
     for k, v in (("KIT_VLLM_INVARIANT", kit_vllm), ("VLLM_BATCH_INVARIANT", driver_vllm)):
+        # setenv first, so that monkeypatch restores the variable set_vllm_mode writes (an absent
+        # variable deleted with raising=False is not recorded, and would leak to later tests)
+        monkeypatch.setenv(k, v or "")
         if v is None:
-            monkeypatch.delenv(k, raising=False)
-        else:
-            monkeypatch.setenv(k, v)
+            monkeypatch.delenv(k)
     monkeypatch.setattr(P, "REPLACEMENTS", {})
     x = seeded_normal((3, 1000), 0)
     try:
