@@ -111,6 +111,17 @@ def test_variant_plan_is_caught():
     assert res == {"invariant": True, "variant": False}, res
 
 
+def test_profiling_run_returns_zeros_and_leaves_the_cache():
+    """A profiling / warm-up run (no metadata) returns the output buffer zeroed, whatever it held,
+    and writes nothing to the cache."""
+    q = torch.randn((5, HQ, D), device=DEV)
+    kv = torch.full((2, HKV, BS, 2 * D), 7.0, device=DEV)
+    o = torch.full((5, HQ, D), float("nan"), device=DEV)
+    r = KB.KitAttentionImpl(HQ, D, D ** -0.5, HKV).forward(None, q, q[:, :HKV], q[:, :HKV], kv, None, o)
+    assert r is o and bool((o == 0).all()) and not torch.signbit(o).any()
+    assert bool((kv == 7.0).all())
+
+
 def test_backend_declarations_and_refusals():
     B = KB.KitAttentionBackend
     assert B.get_impl_cls() is KB.KitAttentionImpl and B.get_builder_cls() is KB.KitAttentionMetadataBuilder

@@ -459,8 +459,8 @@ class KitAttentionImpl(AttentionImpl):
                 output_block_scale=None, **extra) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the kit's attention backend")
-        if attn_metadata is None:  # a profiling / warm-up run
-            return output
+        if attn_metadata is None:  # a profiling / warm-up run: no plan, no cache; zeros, never the buffer's old bytes
+            return output.zero_()
         md = attn_metadata
         if not md.persistent and _capturing(query):
             raise RuntimeError("attn_metadata holds a per-step plan, which a CUDA graph being captured would replay "
