@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from batch_invariance_kit.verify import emulator as E
+from batch_invariance_kit import emulator as E
 
 
 def _rows(n_rows, n, dtype=torch.bfloat16, seed=0):

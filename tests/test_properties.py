@@ -25,7 +25,7 @@ from batch_invariance_kit.ops.attention.schedule import max_splits_upto, split_s
 from batch_invariance_kit.ops import matmul as MM
 from batch_invariance_kit.ops import moe
 from batch_invariance_kit.device import DEVICE
-from batch_invariance_kit.verify import emulator
+from batch_invariance_kit import emulator
 
 from attention_plan_reference import (assert_same_plan, reference_make_plan, reference_max_splits_upto,
                                       reference_split_plan)

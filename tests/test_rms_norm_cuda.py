@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import batch_invariance_kit  # noqa: F401  (device selection first)
-from batch_invariance_kit.verify import emulator
+from batch_invariance_kit import emulator
 from batch_invariance_kit.ops import rms_norm_cuda as R
 from batch_invariance_kit.verify.guard import Guarded
 from batch_invariance_kit.verify.harness import bits, check_invariance, compare, row_maker

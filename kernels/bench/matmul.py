@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..checks import DTYPES, dtype_name
+from ..device import sm_count
 from ..ops import matmul as MM
 from ..report.results import RESULTS
 from ..verify import divergence
@@ -384,7 +385,7 @@ def config_sweep(shapes, Ms, dtype=torch.bfloat16, *, reps: int = 50, graph: boo
     if not Ms or Ms[0] < 1:
         raise ValueError(f"Ms must be positive row counts, got {Ms!r}")
     dname = dtype_name(dtype)
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = sm_count()
     t_start = time.perf_counter()
     late = []  # cells timed after the deadline: the pick only
     rows, results = [], []

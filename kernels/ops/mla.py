@@ -53,7 +53,7 @@ import math
 import torch
 
 from .. import checks
-from ..device import DEVICE, INTERPRET, sm_count
+from ..device import DEVICE, INTERPRET
 from . import attention as A
 
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
@@ -271,11 +271,6 @@ def _mla_kernel(q_ptr, c_ptr, bt_ptr, tok_seq_ptr, tok_pos_ptr, tok_split_ptr, o
     tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
 
 
-def _num_sms() -> int:
-    """SMs the variant plans for (8 under the interpreter: small batches cross its thresholds)."""
-    return 8 if INTERPRET else sm_count()
-
-
 def mla_split_sizes(seq_lens, query_start_loc, *, impl: str = "invariant", config=None) -> list:
     """Keys per split of every query token of a step (host lists).  ``"invariant"``:
     :func:`batch_invariance_kit.ops.attention.split_size_at` of the token's own position.
@@ -283,12 +278,10 @@ def mla_split_sizes(seq_lens, query_start_loc, *, impl: str = "invariant", confi
     num_splits)`` keys rounded up to whole ``block_n`` tiles: a function of the batch."""
     if impl not in ("invariant", "variant"):
         raise ValueError(f"impl must be 'invariant' or 'variant', got {impl!r}")
-    cfg = A.default_config() if config is None else config
-    if not isinstance(cfg, A.AttnConfig):
-        raise TypeError(f"config must be None or an AttnConfig, got {type(cfg).__name__}")
+    cfg = A.resolve_config(config)
     lens, qsl = [int(x) for x in seq_lens], [int(x) for x in query_start_loc]
     bn, out = cfg.block_n, []
-    num_splits = max(1, (2 * _num_sms()) // max(1, len(lens)))
+    num_splits = max(1, (2 * A.num_sms()) // max(1, len(lens)))
     memo: dict = {}
     for s, n in enumerate(lens):
         q_len = qsl[s + 1] - qsl[s]
@@ -361,7 +354,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
         return out.copy_(reference_mla_attention(q, cache, block_table, seq_lens, query_start_loc,
                                                  kv_lora_rank=kv_lora_rank, scale=scale))
     checks.kernel_device("q", q)
-    cfg = A.default_config() if config is None else config
+    cfg = A.resolve_config(config)
     splits = mla_split_sizes(lens, qsl, impl=impl, config=cfg)
     dev = q.device
     tok_seq, tok_pos = _token_meta(lens, qsl, dev)

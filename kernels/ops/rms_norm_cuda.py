@@ -15,14 +15,14 @@ Five ops, in vLLM's in-place calling style (outputs first), each in two implemen
 
 Tensors on CUDA run the compiled kernels (:mod:`batch_invariance_kit.ops.cuda_ext`); tensors on the CPU get
 the emulator's prediction of exactly those bits (:func:`emulate`, built on
-:func:`batch_invariance_kit.verify.emulator.block_reduce`), through the same launch policy, so CPU tests
+:func:`batch_invariance_kit.emulator.block_reduce`), through the same launch policy, so CPU tests
 exercise the same batch-size dependence as the GPU.
 
 The kernels' arithmetic, step by step (the emulator does the same, in numpy/torch):
 
 1. fused ops: ``z = (T)(x + residual)`` (fp32 add, one rounding to T); ``residual <- z``.
 2. ``sum = sum of z^2`` in the block's reduction order (fp32 FMA partials per thread, warp
-   shuffle tree, sequential fold of warp aggregates: ``kernels/verify/emulator.py``).
+   shuffle tree, sequential fold of warp aggregates: ``kernels/emulator.py``).
 3. ``s = 1 / sqrtf(sum / n + eps)`` (fp32, correctly rounded).
 4. ``v = (T)((float)(T)(z * s) * (float)w)``.
 5. rms_norm: ``out = v``; fused_add_rms_norm: ``x <- v``; static fp8:
@@ -58,7 +58,7 @@ import torch
 
 from .. import checks
 from . import cuda_ext
-from ..verify.emulator import WARP_SIZE, block_reduce, normalize, rms_scale
+from ..emulator import WARP_SIZE, block_reduce, normalize, rms_scale
 
 __all__ = [
     "OPS", "IMPLS", "FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "GROUP_SIZES",
@@ -383,7 +383,7 @@ def gpu_crosscheck(rows: int = 1000, hiddens=(2048, 4096, 5120),
     buffers; (1, 1) exercises the scalar prefix/tail, (0, 1) the fused ops' V = 1 fallback
     (used for the fused ops only).  Returns one dict per case with ``rows`` compared,
     ``rows_differing`` (any bit of any output) and ``elements_differing``."""
-    from ..verify.harness import bits
+    from ..bitwise import bits
 
     if not torch.cuda.is_available():
         raise RuntimeError("gpu_crosscheck needs a CUDA device")

@@ -15,7 +15,7 @@ import torch
 from . import rms_norm as tri
 from . import rms_norm_cuda as cu
 from ..checks import dtype_name
-from ..verify.harness import bits, seeded_normal
+from ..bitwise import bits, seeded_normal
 
 OPS = tuple(tri.OPS)
 BACKENDS = ("triton", "cuda")

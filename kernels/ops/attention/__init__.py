@@ -140,7 +140,7 @@ from .ops import attention, decode, prefill
 from .plan import AttnPlan, MergePlan, PlanLayout, TileGroup, make_plan
 from .reference import gather_kv
 from .schedule import (DEFAULT_CONFIG, INTERPRETER_CONFIG, AttnConfig, default_config, num_sms, query_tile,
-                       split_plan, split_size_at)
+                       resolve_config, split_plan, split_size_at)
 from .validate import IMPLS
 
 __all__ = [
@@ -149,6 +149,7 @@ __all__ = [
     "DEFAULT_CONFIG",
     "INTERPRETER_CONFIG",
     "default_config",
+    "resolve_config",
     "num_sms",
     "new_cache",
     "block_table",

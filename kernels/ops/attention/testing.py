@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...device import DEVICE
-from ...verify.harness import seeded_normal
+from ...bitwise import seeded_normal
 from .cache import PagedCache
 from .schedule import AttnConfig, resolve_config
 
