@@ -64,8 +64,9 @@ def k_chunk(K: int, dtype: torch.dtype, *, compiled: bool | None = None) -> int:
     (one chunk, one loop) up to 4096, else 2048 (64 and 128 under the interpreter).  Every
     output element is the in-order sum of its chunks' sums, each chunk summed from zero,
     BLOCK_K at a time.  A function of K and the dtype only: never of M, so the order never
-    depends on the batch.  Why not chunk every K: on the H200 the chunk loop cost the large
-    tiles up to 10% at K = 4096 and bought thin M most at K = 12288.  ``compiled``:
+    depends on the batch.  Why not chunk every K: the chunk loop cost the large tiles time at
+    K = 4096 and bought thin M most at K = 12288 (the H200 sweep
+    ``results/h200/explorations/matmul_k_chunks/every_k_chunked.json``).  ``compiled``:
     whose rule, the interpreter's (False) or a GPU's (True); ``None``: this process's (pass
     True to read GPU results on a CPU)."""
     bk = block_k(dtype)  # a float dtype, or TypeError

@@ -168,8 +168,10 @@ CONFIGS = [
 #: bits of every shipped config (tests under the interpreter; the sweep checks each on the GPU).
 #: :func:`select_config` never picks one (it has no coefficients until a sweep fits it); a refit
 #: that finds one fastest somewhere moves it into :data:`CONFIGS` with its fitted coefficients.
-#: (No 128 x 128 tile with two resident programs per SM: with 4 warps the sm_90 compile spills
-#: 100-140 registers; with 8 it needs about 145 registers a thread, one program's worth of an SM.)
+#: (No 128 x 128 tile with two resident programs per SM: its fp32 accumulator alone is 16384
+#: values, 128 registers a thread with 4 warps before any address or pipeline state; with 8
+#: warps it is 64 a thread, and two resident 256-thread programs leave each thread at most 128
+#: of the SM's 65536 registers for everything.)
 TRIAL_CONFIGS = [
     # narrower N tiles: more programs for 5120-wide outputs at mid M
     MMConfig("m128n64_tma", 128, 64, num_warps=4, num_stages=4, group_m=8, tma=True),

@@ -381,9 +381,9 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
     rows = tl.arange(0, Q_TILE * QPK_PAD)
     tok = tok0 + rows // QPK_PAD
     hh = rows % QPK_PAD
-    # (written so that no per-row token index stays live through the loops: with one, ptxas
-    # gave the 64-row prefill program 184 instead of 96 bytes of spill stack, and prefill 4k
-    # took 1090 instead of 890 us on the H200)
+    # (written so that no per-row token index stays live through the loops: one more live
+    # vector per row costs the 64-row prefill program registers it spills; the offline sm_90
+    # compile, python -m batch_invariance_kit.verify.sm90, reports each program's spill stack)
     row_ok = (tok < tok0 + n_tok) & (hh < QPK)
     pos = (pos0 - tok0) + tok
     head = kvh * QPK + hh
