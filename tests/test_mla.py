@@ -122,19 +122,38 @@ def test_decode_batch_invariant():
     assert rep.passed and rep.checks == 12, rep.summary()
 
 
-def test_split_kv_variant_caught():
+@pytest.fixture
+def eight_sms(monkeypatch):
+    """The split-KV variant plans for 8 SMs on every device, as under the interpreter.  With a
+    GPU's count (132 on an H200: 264 splits for one sequence, 33 for eight) every context of
+    ``LENS`` gets one-tile splits at both batch sizes, the same plan, and the negative control
+    would prove nothing."""
+    monkeypatch.setattr(A, "num_sms", lambda: 8)
+
+
+def test_split_kv_variant_caught(eight_sms):
     """The negative control: split sizes from the number of sequences."""
+    alone = [M.mla_split_sizes([n], [0, 1], impl="variant")[0] for n in LENS]
+    in_batch = M.mla_split_sizes(LENS, list(range(len(LENS) + 1)), impl="variant")
+    assert alone != in_batch, (alone, in_batch)   # the variant plans a sequence alone otherwise
     f, make = _decode_op("variant")
     rep = check_invariance(f, make, [1, 8], positions="all")
     assert rep.checks == 9 and not rep.passed, rep.summary()
 
 
-def test_variant_split_sizes_follow_the_batch_and_invariant_ones_do_not():
-    one = M.mla_split_sizes([200], [0, 1], impl="variant")
-    many = M.mla_split_sizes([200] * 8, list(range(9)), impl="variant")
+@pytest.mark.parametrize("sms, n", [(8, 200), (132, 264 * 64)], ids=["8_sms", "132_sms"])
+def test_variant_split_sizes_follow_the_batch_and_invariant_ones_do_not(monkeypatch, sms, n):
+    """At 132 SMs (264 splits alone, 33 among 8) the variant's split moves with the batch only for
+    contexts of more than 33 tiles (shorter ones get one-tile splits either way); the invariant
+    split never moves."""
+    monkeypatch.setattr(A, "num_sms", lambda: sms)
+    one = M.mla_split_sizes([n], [0, 1], impl="variant")
+    many = M.mla_split_sizes([n] * 8, list(range(9)), impl="variant")
     assert one[0] != many[0]
-    assert (M.mla_split_sizes([200], [0, 1])[0] == M.mla_split_sizes([200] * 8, list(range(9)))[0]
-            == A.split_size_at(199, CFG))
+    assert (M.mla_split_sizes([n], [0, 1])[0] == M.mla_split_sizes([n] * 8, list(range(9)))[0]
+            == A.split_size_at(n - 1, CFG))
+    short = [M.mla_split_sizes([200] * b, list(range(b + 1)), impl="variant")[0] for b in (1, 8)]
+    assert (short[0] == short[1]) is (sms == 132), short   # 200 keys: one tile per split at 132 SMs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bfloat16"])
