@@ -141,6 +141,19 @@ def test_experiment_against_a_stand_in_server(tmp_path, variant):
     assert back.rows == rows and all(x.compared.bitwise is (not variant) for x in rows[:3])
 
 
+def test_run_sync_inside_a_running_loop():
+    """A notebook's kernel runs an event loop: the clients still run there (in a thread of their own)."""
+    import asyncio
+
+    async def two():
+        return 2
+
+    async def inside():
+        return O.run_sync(two())
+
+    assert O.run_sync(two()) == 2 and asyncio.run(inside()) == 2
+
+
 def test_server_that_exits_or_hangs(tmp_path):
     srv = O.Server([sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)", "--port", "1"], {},
                    tmp_path / "a.log")

@@ -76,6 +76,21 @@ def line_style(impl: str, index: int = 0, marker_index: int | None = None) -> di
             "ls": "-" if r == "invariant" else ("--" if r == "variant" else ":"), "lw": 1.6}
 
 
+def mode_style(mode: str, marker_index: int | None = None) -> dict:
+    """matplotlib keyword arguments for a vLLM mode (:data:`batch_invariance_kit.vllm.records.MODES`),
+    the same in every figure: vLLM as installed is the peer (grey, dotted); vLLM's own invariant
+    mode and the kit's modes are invariant implementations, the first, second and third shade of
+    the invariant colour (solid); each mode its own marker (``marker_index`` overrides it, for a
+    figure with more lines than modes)."""
+    from ..vllm.records import MODES, ROLE, check_mode
+
+    r = ROLE[check_mode(mode)]
+    shade = [m for m in MODES if ROLE[m] == r].index(mode)
+    m = MODES.index(mode) if marker_index is None else marker_index
+    return {"color": SHADES[r][shade % len(SHADES[r])], "marker": MARKERS[m % len(MARKERS)], "ms": 5,
+            "ls": "-" if r == "invariant" else ":", "lw": 1.6}
+
+
 def speed_ratios(row: dict) -> dict:
     """{implementation: speed ratio} for one row of :func:`cost.summary`: the invariant kernel
     and every non-invariant peer, each against the fastest peer of the cell (so that peer is 1)."""
@@ -359,9 +374,7 @@ def engine_bars(e2e: dict | None, vllm: dict | None):
         for j, mode in enumerate(modes):
             sel = [next(r for r in tp if r["model"] == m and r["impl"] == mode) for m in models]
             eager = any(r["engine"].get("enforce_eager") for r in sel)
-            # vLLM's default mode is the peer; its invariant mode and the kit's mode are two
-            # invariant implementations: two shades of the invariant colour
-            colour = COLORS["peer"] if mode == "default" else SHADES["invariant"][0 if mode != "kit" else 1]
+            colour = mode_style(mode)["color"]
             axes[1].bar([i + (j - (len(modes) - 1) / 2) * w for i in range(len(models))],
                         [r["output_tokens_per_s"] for r in sel], w, color=colour, edgecolor="white",
                         hatch="//" if eager else None, label=mode + (" (eager)" if eager else ""))

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import math
 import os
@@ -298,9 +299,21 @@ async def run_requests(base_url: str, model: str, reqs: list, top_logprobs: int,
         return list(await asyncio.gather(*(send(client, q, model, top_logprobs, t0) for q in reqs)))
 
 
+def run_sync(coro):
+    """Run ``coro`` to its end and return its result, from plain code or from code that already runs
+    inside an event loop (a notebook's kernel: there ``asyncio.run`` refuses, so a thread of its own
+    runs it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def one(base_url: str, model: str, req: Request, top_logprobs: int, timeout_s: float) -> Sent:
     """``req`` alone (nothing else in flight)."""
-    return asyncio.run(run_requests(base_url, model, [req], top_logprobs, timeout_s))[0]
+    return run_sync(run_requests(base_url, model, [req], top_logprobs, timeout_s))[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +466,7 @@ def experiment(base_url: str, plan: Plan, *, timeout_s: float = 600.0, healthy=N
     for r in range(plan.rounds):
         reqs = plan.round(r)
         t1 = time.monotonic()
-        sent = asyncio.run(run_requests(base_url, model, reqs, k, timeout_s))
+        sent = run_sync(run_requests(base_url, model, reqs, k, timeout_s))
         by = {q.name: q for q in reqs}
         copies += [_copy(refs[by[s.name].target], s, r, overlaps(sent, s.name)) for s in sent
                    if by[s.name].target is not None]
