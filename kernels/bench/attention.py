@@ -360,12 +360,16 @@ TUNE_CONFIGS = [(64, 64, 512, 4, 2), (64, 64, 256, 4, 2), (64, 64, 1024, 4, 2), 
                 (64, 16, 1024, 4, 3), (32, 16, 256, 4, 2),
                 # with 16-row decode tiles (the sixth field: decode_block_m)
                 (64, 64, 512, 4, 2, 16), (64, 64, 256, 4, 2, 16), (64, 64, 1024, 4, 2, 16), (64, 64, 512, 4, 3, 16),
-                (64, 32, 512, 4, 2, 16)]
+                (64, 32, 512, 4, 2, 16),
+                # fewer, longer splits (the seventh field: split_target; None: split_size for every row):
+                # fewer folds per prefill row, fewer programs per decode row.  Changes bits.
+                (64, 64, 512, 4, 2, 16, 16), (64, 64, 512, 4, 2, 16, 8), (64, 64, 1024, 4, 2, 16, 8),
+                (64, 64, 512, 4, 2, 16, None)]
 
 
 def tune_configs() -> list:
     """:data:`TUNE_CONFIGS` as :class:`AttnConfig` objects."""
-    names = ("block_n", "block_m", "split_size", "num_warps", "num_stages", "decode_block_m")
+    names = ("block_n", "block_m", "split_size", "num_warps", "num_stages", "decode_block_m", "split_target")
     return [A.AttnConfig(**dict(zip(names, c))) for c in TUNE_CONFIGS]
 
 
