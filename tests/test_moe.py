@@ -501,7 +501,7 @@ def test_gpu_invariant_and_variant_bf16():
 
 def _store_vs_vllm(folder):
     """A moe_vs_vllm.json of made-up times (the file's shape, not a measurement)."""
-    from batch_invariance_kit.bench.moe import MODELS, VLLM_IMPL
+    from batch_invariance_kit.bench.moe_vllm import MODELS, VLLM_IMPL
     from batch_invariance_kit.report import results
 
     rows = []
@@ -534,3 +534,51 @@ def test_vs_vllm_rows_read_as_a_cost_family_and_plot(tmp_path, capsys):
     assert goal and goal[0]["cells"] == 6 and goal[0]["cells_met"] == 4 and not goal[0]["met"]
     fig = plots.moe_vs_vllm("gpu", root=tmp_path)
     assert fig is not None and len(fig.axes) == 2
+
+
+def _deepseek_like(h=H):
+    """A small layer of DeepSeek-V2-Lite's kind: softmax top-k without renormalisation, two shared experts."""
+    return dict(experts=E, top_k=TOPK, hidden=h, inter=INTER, renormalize=False, shared=2)
+
+
+def test_vs_vllm_kit_layer_with_shared_experts_invariant_accurate_variant_caught():
+    """The kit's side of the comparison with vLLM (bench.moe_vllm.kit_layer, shared experts added
+    in fp32): a token alone == the token in every batch, bitwise; close to float64 (the routed
+    reference plus the shared SwiGLU MLP); the same layer with variant kernels is caught."""
+    import torch.nn.functional as F
+
+    from batch_invariance_kit.bench import moe_vllm as V
+
+    spec = _deepseek_like()
+    w = V.layer_weights(spec, device=DEV)
+    assert w["shared_gate_up"].shape == (2 * 2 * INTER, H) and w["shared_down"].shape == (H, 2 * INTER)
+    make = _maker("uniform", V.DTYPE)
+    assert check_invariance(lambda x: V.kit_layer(x, w, spec), make, [1, 7, 33, 130]).passed
+    x = make(50)
+    routed = moe.fused_moe(x, w["router"], w["w13"], w["w2"], TOPK, renormalize=False, impl="reference").double()
+    gu = x.double() @ w["shared_gate_up"].double().t()
+    ref = (routed + (F.silu(gu[:, :2 * INTER]) * gu[:, 2 * INTER:]) @ w["shared_down"].double().t()).cpu()
+    err = float((V.kit_layer(x, w, spec).double().cpu() - ref).abs().max() / ref.abs().max())
+    assert err < TOL[torch.bfloat16], f"relative error {err}"
+    wide = _deepseek_like(h=256)
+    w = V.layer_weights(wide, device=DEV, dtype=torch.float32)
+    variant = check_invariance(lambda x: V.kit_layer(x, w, wide, impl="variant"), _maker("uniform", torch.float32, h=256),
+                               [1, 130], stop_at_first=True)
+    assert not variant.passed
+
+
+def test_vs_vllm_command_stops_with_a_message_before_measuring(tmp_path, monkeypatch):
+    """``python -m batch_invariance_kit.bench.moe_vllm``: vLLM's own invariant mode on, or no CUDA
+    device, ends the command with a message naming why, and nothing is written."""
+    from batch_invariance_kit.bench import moe_vllm as V
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    with pytest.raises(SystemExit, match="default mode"):
+        V.main(["--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        V.main(["--out", str(tmp_path), "--models", "Qwen3-8B"])  # not a model of the comparison
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="GPU box"):
+            V.main(["--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())

@@ -5,9 +5,9 @@ expert intermediate 768, bf16).  Each function returns ``(rows, checks)`` in the
 * :func:`invariance`: a token alone vs the same token inside batches of 1..8192 tokens, uniform
   and skewed routing; the invariant MoE must never differ, the variant must differ somewhere;
 * :func:`loads`: tokens per expert against the batch size (the chapter's histogram figure);
-* :func:`bench`: median time of the invariant MoE and of the variant with its tuned table;
-* :func:`vs_vllm`: the invariant MoE beside vLLM's default Triton ``fused_moe`` (its router
-  top-k and ``fused_experts``), at Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (:data:`MODELS`).
+* :func:`bench`: median time of the invariant MoE and of the variant with its tuned table.
+
+The comparison with vLLM's own ``fused_moe`` is :mod:`.moe_vllm`.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ ROUTINGS = ("uniform", "skewed")
 HOT = 8  # skewed routing: most tokens prefer these experts
 
 
-def _sizes(quick: bool) -> list:
+def token_counts(quick: bool) -> list:
+    """The token counts of the MoE measurements: 1 ... 8192 (``quick``: 1, 16, 256, 4096)."""
     return [1, 16, 256, 4096] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 
@@ -49,7 +50,7 @@ def _tokens(n: int, routing: str, u: torch.Tensor, seed: int = 1) -> torch.Tenso
 
 
 def invariance(quick: bool) -> tuple:
-    sizes = _sizes(quick)
+    sizes = token_counts(quick)
     rws, w13, w2, u = _weights()
     probes = [0, 1, 7, 100, 1000, 5000]
     rows, checks = [], []
@@ -83,7 +84,7 @@ def invariance(quick: bool) -> tuple:
 
 
 def loads(quick: bool) -> tuple:
-    sizes = _sizes(quick)
+    sizes = token_counts(quick)
     rws, _, _, u = _weights()
     rows = []
     for routing in ROUTINGS:
@@ -106,7 +107,7 @@ def loads(quick: bool) -> tuple:
 
 
 def bench(quick: bool) -> tuple:
-    sizes = _sizes(quick)
+    sizes = token_counts(quick)
     rws, w13, w2, u = _weights()
     rw = rws["uniform"]
     x_all = _tokens(max(sizes), "uniform", u)
@@ -128,86 +129,4 @@ def bench(quick: bool) -> tuple:
               f"ratio {ratio:.2f}", flush=True)
         checks.append(goal(f"moe T={n}: invariant at least 0.85x the variant's speed", ratio <= 1 / 0.85,
                            ratio_invariant_over_variant=ratio))
-    return rows, checks
-
-
-#: The MoE layers of :func:`vs_vllm`: routed experts only (DeepSeek-V2-Lite's two shared experts
-#: are a dense MLP beside them): experts, top-k, hidden, expert intermediate, renormalize the
-#: top-k weights (Qwen3-MoE's ``norm_topk_prob``; DeepSeek-V2-Lite does not)
-MODELS = {
-    "Qwen3-30B-A3B": dict(experts=128, top_k=8, hidden=2048, inter=768, renormalize=True),
-    "DeepSeek-V2-Lite": dict(experts=64, top_k=6, hidden=2048, inter=1408, renormalize=False),
-}
-#: vLLM's name in the rows of :func:`vs_vllm`
-VLLM_IMPL = "vllm-fused_moe"
-
-
-def vllm_moe():
-    """vLLM's default-mode MoE layer as a function ``(x, router_weight, w13, w2, top_k,
-    renormalize) -> out``: the gate as a plain ``F.linear`` (vLLM's ``ReplicatedLinear``:
-    cuBLAS), ``fused_topk`` (softmax, top-k) and the Triton ``fused_experts`` with its own
-    config choice (tuned tables where vLLM ships one for the device).  Needs vLLM's CUDA build;
-    raises a RuntimeError naming what is missing otherwise."""
-    try:
-        from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
-    except Exception as e:  # the CPU build has no Triton fused MoE; the CUDA build lives on the GPU box
-        raise RuntimeError(f"vLLM's CUDA build (vllm.model_executor.layers.fused_moe) is not importable: {e!r}") \
-            from None
-
-    def run(x, router_weight, w13, w2, top_k, renormalize):
-        logits = torch.nn.functional.linear(x, router_weight)
-        res = fused_topk(x, logits, top_k, renormalize)
-        return fused_experts(x, w13, w2, res[0], res[1])
-    return run
-
-
-def _layer(spec: dict, seed: int = 0) -> tuple:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    e, h, i = spec["experts"], spec["hidden"], spec["inter"]
-    rw = (torch.randn((e, h), generator=g, device="cuda") * h ** -0.5).to(DTYPE)
-    w13 = (torch.randn((e, 2 * i, h), generator=g, device="cuda") * h ** -0.5).to(DTYPE)
-    w2 = (torch.randn((e, h, i), generator=g, device="cuda") * i ** -0.5).to(DTYPE)
-    return rw, w13, w2
-
-
-def vs_vllm(quick: bool) -> tuple:
-    """The kit's invariant MoE layer (gating matmul, router, dispatch, grouped GEMMs, combine)
-    and vLLM's default one (:func:`vllm_moe`), bf16, at the :data:`MODELS` shapes, 1 ... 8192
-    tokens, timed from CUDA-graph replays.  Goal: the kit >= 0.9x vLLM's speed in every cell
-    (reported, never a failure).  Also records how far the two outputs are apart at 64 tokens
-    (observed: different summation orders, and a token whose top-k ties may pick another expert).
-    About 3 minutes on an H200 (``quick``: 4 token counts)."""
-    vllm_fn = vllm_moe()
-    import os
-
-    sizes = _sizes(quick)
-    rows, checks = [], []
-    for model, spec in MODELS.items():
-        rw, w13, w2 = _layer(spec)
-        k, h, i, renorm = spec["top_k"], spec["hidden"], spec["inter"], spec["renormalize"]
-        g = torch.Generator(device="cuda").manual_seed(1)
-        x_all = torch.randn((max(sizes), h), generator=g, device="cuda").to(DTYPE)
-        fns = {"kit-invariant": lambda a: moe.fused_moe(a, rw, w13, w2, k, renormalize=renorm),
-               VLLM_IMPL: lambda a: vllm_fn(a, rw, w13, w2, k, renorm)}
-        x64 = x_all[:64]
-        kit64, vllm64 = fns["kit-invariant"](x64).float(), fns[VLLM_IMPL](x64).float()
-        rel = float((kit64 - vllm64).abs().max() / vllm64.abs().max().clamp_min(1e-30))
-        checks.append({"name": f"{model}: kit and vLLM outputs at 64 tokens (observed)", "passed": True,
-                       "informational": True, "max_abs_diff_over_max_abs": rel,
-                       "vllm_batch_invariant_env": os.environ.get("VLLM_BATCH_INVARIANT")})
-        for n in sizes:
-            x = x_all[:n].clone()
-            cell = {}
-            for impl, fn in fns.items():
-                t, graph = median_us_graph_or_plain(fn, rotate=[(x,)], reps=30 if quick else 100)
-                cell[impl] = t["median_us"]
-                flop = 2.0 * n * k * 3 * h * i
-                rows.append({"op": "moe", "impl": impl, "model": model, "tokens": n, "experts": spec["experts"],
-                             "top_k": k, "hidden": h, "inter": i, "renormalize": renorm, "dtype": "bfloat16", **t,
-                             "tflops": flop / (t["median_us"] * 1e-6) / 1e12, "cuda_graph": graph})
-            ratio = cell[VLLM_IMPL] / cell["kit-invariant"]
-            print(f"  {model:<17} T={n:<5} kit {cell['kit-invariant']:8.1f} us  vLLM {cell[VLLM_IMPL]:8.1f} us  "
-                  f"speed ratio {ratio:.2f}", flush=True)
-            checks.append(goal(f"moe {model} T={n}: invariant >= 0.9x vLLM fused_moe's speed", ratio >= 0.9,
-                               model=model, tokens=n, speed_ratio_vs_vllm=ratio))
     return rows, checks

@@ -79,7 +79,7 @@ _PARTS = [
     Part("moe_invariance", "moe:invariance", "cuda", "chapter 5: a token alone vs in batches of 1..8192 tokens"),
     Part("moe_loads", "moe:loads", "cuda", "chapter 5: tokens per expert vs batch size"),
     Part("moe_bench", "moe:bench", "cuda", "chapter 5: invariant vs tuned variant fused MoE"),
-    Part("moe_vs_vllm", "moe:vs_vllm", "cuda",
+    Part("moe_vs_vllm", "moe_vllm:vs_vllm", "cuda",
          "chapter 5: invariant MoE vs vLLM's default Triton fused_moe (Qwen3-30B-A3B, DeepSeek-V2-Lite)"),
     Part("attention_consistency", "attention:consistency", "cuda",
          "chapter 6: attention properties (a)-(d) at production head shapes"),

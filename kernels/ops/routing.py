@@ -39,7 +39,7 @@ import triton  # noqa: E402  (after batch_invariance_kit.device)
 import triton.language as tl  # noqa: E402
 
 __all__ = ["IMPLS", "RoutingConfig", "route", "reference_route", "deepseek_moe", "reference_deepseek_moe",
-           "VARIANT_TREE_FROM"]
+           "shared_mlp", "add_shared", "VARIANT_TREE_FROM"]
 
 IMPLS = ("invariant", "variant", "reference")
 #: the variant sums the renormalisation as a pairwise tree from this many tokens on
@@ -250,11 +250,22 @@ def deepseek_moe(x, router_weight, bias, w_gate_up, w_down, shared_gate_up, shar
     h = MOE.grouped_gemm(x, w_gate_up, disp, activation="silu_mul", gather_tokens=True, impl=impl, config=mcfg)
     y = MOE.grouped_gemm(h, w_down, disp, impl=impl, config=mcfg)
     routed = MOE.combine(y, w, impl=impl)
-    gu = MM.linear(x, shared_gate_up, impl=impl)
+    return add_shared(routed, shared_mlp(x, shared_gate_up, shared_down, impl=impl))
+
+
+def shared_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, impl: str = "invariant") -> torch.Tensor:
+    """The shared experts as one SwiGLU MLP with the kit's matmul: ``x`` ``(T, H)``, ``gate_up``
+    ``(2 I_s, H)`` (gate rows, then up), ``down`` ``(H, I_s)`` -> ``(T, H)`` in x's dtype; the
+    activation ``silu(gate) * up`` in fp32, rounded once (elementwise: the same bits in any batch)."""
+    gu = MM.linear(x, gate_up, impl=impl)
     i_s = gu.shape[1] // 2
     act = (torch.nn.functional.silu(gu[:, :i_s].float()) * gu[:, i_s:].float()).to(x.dtype)
-    shared = MM.linear(act, shared_down, impl=impl)
-    return (routed.float() + shared.float()).to(x.dtype)
+    return MM.linear(act, down, impl=impl)
+
+
+def add_shared(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """``routed + shared`` in fp32, in that order, rounded once to the routed output's dtype."""
+    return (routed.float() + shared.float()).to(routed.dtype)
 
 
 def reference_deepseek_moe(x, router_weight, bias, w_gate_up, w_down, shared_gate_up, shared_down,
