@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from batch_invariance_kit.vllm import bench as B
+from batch_invariance_kit.vllm import runner as R
 from batch_invariance_kit.vllm import step_profile as SP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,11 +39,6 @@ def test_defaults_and_variants():
                                                                  ("kit+attention", False)]
     assert [B.label(m, on) for m, on in B.variants(["kit+attention"], "both")] == ["kit+attention",
                                                                                   "kit+attention alone"]
-    env = B.mode_env("kit+attention", False, gpu=True, base={"KIT_VLLM_INVARIANT": "1", "PATH": "/bin"})
-    assert env["KIT_BATCH_INVARIANT"] == "1" and env["KIT_VLLM_INVARIANT"] == "0" and env["VLLM_BATCH_INVARIANT"] == "0"
-    env = B.mode_env("kit", True, gpu=True, base={"KIT_VLLM_INVARIANT": "0"})
-    assert env["VLLM_BATCH_INVARIANT"] == "1" and "KIT_VLLM_INVARIANT" not in env
-    assert B.mode_env("default", None, gpu=True, base={})["KIT_BATCH_INVARIANT"] == "0"
     flags = B.engine_flags("/m", mode="kit+attention", max_len=2048, gpu=True, weights="dummy")
     assert flags[flags.index("--attention-backend") + 1] == "CUSTOM" and "--load-format" in flags
     assert "--no-enable-prefix-caching" in flags and flags[flags.index("--seed") + 1] == "0"
@@ -644,7 +640,7 @@ def test_live_worker_on_vllms_cpu_build(tmp_path):
     assert B.build_model("tiny", B.model_folder(a, "tiny"), device="cpu") == "built"
     job, part = tmp_path / "job.json", tmp_path / "part.json"
     job.write_text(json.dumps(B.worker_job(a, "tiny", "default", None, B.scenarios_of(a), None, gpu=False)))
-    env = B.mode_env("default", None, gpu=False, base={k: v for k, v in os.environ.items() if not k.startswith("KIT_")})
+    env = R.mode_env("default", {k: v for k, v in os.environ.items() if not k.startswith("KIT_")}, gpu=False)
     r = subprocess.run([sys.executable, "-m", "batch_invariance_kit.vllm.bench", "--worker", str(job), "--part",
                         str(part)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]

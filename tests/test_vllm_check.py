@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -52,6 +53,9 @@ def test_args_defaults_and_plan_order():
     ([], "--out"),
     (["--out", "x", "--attention-backend", "CUSTOM"], "--modes kit\\+attention"),
     (["--out", "x", "--models", "deepseek", "--modes", "kit+attention"], "MLA"),
+    (["--out", "x", "--vllm-mode-under-kit", "maybe"], "--vllm-mode-under-kit"),
+    (["--out", "x", "--vllm-mode-under-kit", "off"], "--modes kit\\+attention"),   # default modes: kit
+    (["--out", "x", "--models", "deepseek", "--modes", "kit+attention", "--vllm-mode-under-kit", "both"], "MLA"),
 ])
 def test_args_errors_name_the_argument(argv, needle):
     with pytest.raises(ValueError, match=needle):
@@ -311,6 +315,59 @@ def test_driver_build_failure_skips_everything(tmp_path):
                          save=lambda r, c, e: saved.append(c))
     assert all(j["status"] == "skipped" and "build failed" in j["skipped"] for j in extra["jobs"])
     assert len(saved[-1]) == 6 and not any(c["passed"] for c in saved[-1])
+
+
+def test_the_kit_alone_planned_launched_and_checked(tmp_path, capsys):
+    """``--vllm-mode-under-kit both``: each kit mode runs with vLLM's own mode under it and alone
+    (``KIT_VLLM_INVARIANT=0``, the plugin's switch, and ``VLLM_BATCH_INVARIANT=0``), as jobs,
+    parts, rows and checks of their own; the kit alone's check reads the switches its engine ran
+    with, and fails when vLLM's mode was on after all."""
+    argv = ["--models", "dense", "--modes", "default,kit+attention", "--vllm-mode-under-kit", "both", "--quick"]
+    a = _args(tmp_path, *argv)
+    assert V.plan(a.models, a.modes, a.vllm_mode_under_kit) == [("dense", "default"), ("dense", "kit+attention"),
+                                                                ("dense", "kit+attention alone")]
+    assert V.plan(["moe"], ["kit+attention"], "off") == [("moe", "kit+attention alone")]
+    assert V.main(["--out", "x", "--dry-run", *argv]) == 0
+    dry = {j["mode"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
+    assert {k: dry["kit+attention alone"]["env"].get(k) for k in ("KIT_BATCH_INVARIANT", "KIT_VLLM_INVARIANT",
+                                                                    "VLLM_BATCH_INVARIANT")} == {
+        "KIT_BATCH_INVARIANT": "1", "KIT_VLLM_INVARIANT": "0", "VLLM_BATCH_INVARIANT": "0"}
+    assert dry["kit+attention"]["env"]["VLLM_BATCH_INVARIANT"] == "1" and "KIT_VLLM_INVARIANT" not in dry["kit+attention"]["env"]
+    assert dry["kit+attention alone"]["attention_backend"] == "CUSTOM"
+    switches = []
+
+    def launch(kind, cmd, env, timeout, log, *, plugin_sets=True):
+        if kind == "build":
+            return {"rc": 0}
+        switches.append((Path(cmd[cmd.index("--out") + 1]).name, env.get("KIT_VLLM_INVARIANT"),
+                         env.get("VLLM_BATCH_INVARIANT")))
+        engine = dict(env)
+        if not plugin_sets:          # an engine that ran with vLLM's own mode on after all
+            engine["VLLM_BATCH_INVARIANT"] = "1"
+        with mock.patch.dict(os.environ, {k: engine[k] for k in R.RECORDED_ENV if k in engine}):
+            # the worker records the switches of its process
+            _run_worker(_job_of(cmd), cmd[cmd.index("--out") + 1], calls={"rms_norm": 1, "fused_add_rms_norm": 1})
+        return {"rc": 0, "seconds": 1.0}
+
+    extra = V.run_driver(a, launch=launch, clock=FakeClock())
+    assert switches == [("dense__default.json", None, None), ("dense__kit+attention.json", None, "1"),
+                        ("dense__kit+attention_alone.json", "0", "0")]
+    assert extra["plan"]["vllm_mode_under_kit"] == "both" and "KIT_VLLM_INVARIANT=0" in \
+        extra["plan"]["mode_descriptions"]["kit+attention alone"]
+    doc = json.loads((tmp_path / "out" / "vllm_check.json").read_text())
+    res = RC.read(doc)
+    assert res.keys() == [("dense", "default"), ("dense", "kit+attention"), ("dense", "kit+attention alone")]
+    alone = {c["name"]: c for c in doc["checks"] if c["name"].startswith("dense kit+attention alone:")}
+    assert len(alone) == 5 and all(c["passed"] and not c.get("informational") for c in alone.values()), alone
+    off = alone["dense kit+attention alone: vLLM's own mode off in the engine (KIT_VLLM_INVARIANT=0, "
+                "VLLM_BATCH_INVARIANT=0)"]
+    assert off["engine_env"] == {"KIT_VLLM_INVARIANT": "0", "VLLM_BATCH_INVARIANT": "0"}
+    assert not any("own mode off" in c["name"] for c in doc["checks"] if not c["name"].startswith("dense kit+attention alone"))
+    # the same check fails when the engine ran with vLLM's mode on
+    V.run_driver(_args(tmp_path, *argv[:-2], "off", "--quick"), clock=FakeClock(),
+                 launch=lambda *x: launch(*x, plugin_sets=False))
+    doc = json.loads((tmp_path / "out" / "vllm_check.json").read_text())
+    assert [c["passed"] for c in doc["checks"] if "own mode off" in c["name"]] == [False]
 
 
 # ----------------------------------------------------------------------------- the plugin's CUDA replacements

@@ -34,6 +34,35 @@ def test_modes_and_prompts():
         RC.random_prompt(0, 1)
 
 
+def test_the_kit_alone_label_and_variants():
+    """``--vllm-mode-under-kit``: one set of variants, labels and refusals for the check and the benchmark."""
+    assert RC.variants(list(RC.MODES), "on") == [("default", None), ("invariant", True), ("kit", True),
+                                                 ("kit+attention", True)]
+    assert RC.variants(["default", "kit+attention"], "both") == [("default", None), ("kit+attention", True),
+                                                                 ("kit+attention", False)]
+    assert RC.variants(["kit+attention"], "off") == [("kit+attention", False)]
+    labels = [RC.label(m, on) for m, on in RC.variants(["default", "invariant", "kit+attention"], "both")]
+    assert labels == ["default", "invariant", "kit+attention", "kit+attention alone"]
+    assert [RC.variant_of(x) for x in labels] == [("default", None), ("invariant", True), ("kit+attention", True),
+                                                  ("kit+attention", False)]
+    assert RC.label("invariant", False) == "invariant"                       # only kit modes stand alone
+    assert RC.informational("kit+attention alone", "cuda") is False
+    assert "KIT_VLLM_INVARIANT=0" in RC.describe("kit+attention alone") and RC.describe("kit") == RC.DESCRIPTION["kit"]
+    for bad in ("default alone", "kit alone alone", "turbo"):
+        with pytest.raises(ValueError, match="mode must be one of"):
+            RC.variant_of(bad)
+    with pytest.raises(ValueError, match="--vllm-mode-under-kit must be one of"):
+        RC.variants(["kit+attention"], "sometimes")
+    with pytest.raises(ValueError, match="--vllm-mode-under-kit off/both needs the kit's attention.*kit\\+attention"):
+        RC.check_under_kit("both", ["default", "kit"])
+    assert RC.check_under_kit("on", ["kit"]) == "on"
+    # a row of the kit alone is a record like any other; a made-up label is refused naming the row
+    row = RC.parse(RC.FailedRow, {"op": "vllm_bs", "impl": "kit+attention alone", "model": "m", "skipped": "x"}, "r")
+    assert row.impl == "kit+attention alone"
+    with pytest.raises(ValueError, match="^r: mode must be one of"):
+        RC.parse(RC.FailedRow, {"op": "vllm_bs", "impl": "default alone", "model": "m", "skipped": "x"}, "r")
+
+
 def test_compare():
     t, lp = [5, 6, 7], [-1.5, -2.25, -0.125]
     c = RC.compare(t, lp, list(t), list(lp))

@@ -43,6 +43,16 @@ def test_mode_env():
     assert all("VLLM_ALLOW_INSECURE_SERIALIZATION" not in R.mode_env(m, {}, gpu=True) for m in R.MODES)
     with pytest.raises(ValueError, match="mode"):
         R.mode_env("fast", {})
+    # a kit mode alone: the plugin's switch and vLLM's mode off, whatever the caller had
+    env = R.mode_env("kit+attention", {"KIT_VLLM_INVARIANT": "1", "VLLM_BATCH_INVARIANT": "1"}, gpu=True,
+                     vllm_invariant=False)
+    assert (env["KIT_BATCH_INVARIANT"], env["KIT_VLLM_INVARIANT"], env["VLLM_BATCH_INVARIANT"]) == ("1", "0", "0")
+    env = R.mode_env("kit", {"KIT_VLLM_INVARIANT": "0"}, gpu=True, vllm_invariant=True)
+    assert env["VLLM_BATCH_INVARIANT"] == "1" and "KIT_VLLM_INVARIANT" not in env
+    assert R.mode_env("kit", {}, gpu=True, vllm_invariant=True) == R.mode_env("kit", {}, gpu=True)
+    assert "KIT_VLLM_INVARIANT" not in R.mode_env("default", {"KIT_VLLM_INVARIANT": "0"}, gpu=True,
+                                                  vllm_invariant=False)
+    assert "KIT_VLLM_INVARIANT" in R.RECORDED_ENV and "VLLM_BATCH_INVARIANT" in R.RECORDED_ENV
 
 
 def test_run_process_kills_the_group_on_timeout(tmp_path):

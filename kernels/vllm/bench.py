@@ -95,7 +95,7 @@ from pathlib import Path
 from ..checks import positive_float, positive_int
 from . import runner as R
 from .check import csv_arg
-from .records import KIT_MODES, MODES
+from .records import KIT_MODES, MODES, UNDER_KIT_HELP, check_under_kit, label, variants
 from .records import attention_backend as _attention_backend
 
 # ---------------------------------------------------------------------------------------------
@@ -105,11 +105,8 @@ from .records import attention_backend as _attention_backend
 MODEL_NAMES = ("dense", "moe", "tiny")
 #: Qwen3-30B-A3B has 48 layers; the default keeps a checkpoint of about 16 GB.
 MOE_LAYERS = 12
-VLLM_UNDER_KIT = ("on", "off", "both")
 OFFLINE_RUNNERS = ("inprocess", "cli")
 WEIGHTS = ("kit", "dummy")
-#: The variables a worker records at its start and once its engine is built.
-RECORDED_ENV = tuple(dict.fromkeys(R.RECORDED_ENV + ("KIT_VLLM_INVARIANT",)))
 #: Timed runs at least, for a median and a spread to mean something.
 MIN_REPEATS = 3
 #: Seconds a job needs at least to start an engine (process start, vLLM import, weights,
@@ -208,40 +205,10 @@ GOALS = (("kit >= vLLM's invariant mode", "invariant", 1.0), ("kit >= 0.9 x defa
          ("kit >= 0.95 x default", "default", 0.95))
 
 
-def label(mode: str, vllm_invariant: bool | None) -> str:
-    """The name of a (mode, vLLM's mode under kit) variant in the rows: ``<mode>``, or
-    ``<mode> alone`` for a kit mode without vLLM's own mode."""
-    return f"{mode} alone" if mode in KIT_MODES and vllm_invariant is False else mode
-
-
-def variants(modes: list, under_kit: str) -> list:
-    """``[(mode, vllm_invariant)]`` of the requested modes: ``vllm_invariant`` is ``None`` for
-    default, ``True`` for invariant, and for kit modes as ``--vllm-mode-under-kit`` says."""
-    out = []
-    for m in modes:
-        if m not in KIT_MODES:
-            out.append((m, None if m == "default" else True))
-            continue
-        for on in {"on": (True,), "off": (False,), "both": (True, False)}[under_kit]:
-            out.append((m, on))
-    return out
-
-
 def attention_backend(mode: str, *, gpu: bool) -> str | None:
     """The ``--attention-backend`` of a mode (:func:`batch_invariance_kit.vllm.records.attention_backend`:
     the kit's in ``kit+attention`` on a GPU; ``None``: vLLM's choice)."""
     return _attention_backend(mode, None, gpu=gpu)
-
-
-def mode_env(mode: str, vllm_invariant: bool | None, *, gpu: bool, base: dict | None = None) -> dict:
-    """The environment of a mode's process (:func:`batch_invariance_kit.vllm.runner.mode_env`);
-    a kit mode alone gets ``KIT_VLLM_INVARIANT=0`` (the plugin's switch) and
-    ``VLLM_BATCH_INVARIANT=0``."""
-    env = R.mode_env(mode, base, gpu=gpu)
-    env.pop("KIT_VLLM_INVARIANT", None)
-    if mode in KIT_MODES and vllm_invariant is False:
-        env.update(KIT_VLLM_INVARIANT="0", VLLM_BATCH_INVARIANT="0")
-    return env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,8 +221,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder of the JSON file (and parts/, logs/)")
     p.add_argument("--models", default="dense", help=f"comma-separated subset of {','.join(MODEL_NAMES)}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    p.add_argument("--vllm-mode-under-kit", default="on", help="kit modes with vLLM's own mode under them: "
-                   "on, off (the kit alone: kit+attention only), both")
+    p.add_argument("--vllm-mode-under-kit", default="on", help=UNDER_KIT_HELP)
     p.add_argument("--scenarios", default="prefill,decode,tm", help=f"comma-separated subset of {','.join(SCENARIOS)}")
     p.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"timed runs per scenario (>= {MIN_REPEATS})")
     p.add_argument("--warmups", type=int, default=1, help="untimed runs before them (>= 1)")
@@ -298,11 +264,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.models = csv_arg("models", a.models, MODEL_NAMES)
     a.modes = csv_arg("modes", a.modes, MODES)
     a.scenarios = csv_arg("scenarios", a.scenarios, tuple(SCENARIOS))
-    if a.vllm_mode_under_kit not in VLLM_UNDER_KIT:
-        raise ValueError(f"--vllm-mode-under-kit must be one of {list(VLLM_UNDER_KIT)}, got {a.vllm_mode_under_kit!r}")
-    if a.vllm_mode_under_kit != "on" and "kit" in a.modes:
-        raise ValueError("--vllm-mode-under-kit off/both needs the kit's attention: mode kit (vLLM's FlashAttention) "
-                         "without vLLM's own mode splits the KV sequence by the batch; use --modes kit+attention")
+    check_under_kit(a.vllm_mode_under_kit, a.modes)
     if a.offline_runner not in OFFLINE_RUNNERS:
         raise ValueError(f"--offline-runner must be one of {list(OFFLINE_RUNNERS)}, got {a.offline_runner!r}")
     if a.weights not in WEIGHTS:
@@ -852,7 +814,7 @@ def run_worker(job: dict, part, *, build=None, clock=time.time) -> int:
     the engine (default :class:`VllmBench`).  Returns 0 (done), 3 (no engine), 4 (a scenario raised)."""
     t0 = clock()
     doc = {k: job.get(k) for k in ("model", "mode", "label", "vllm_invariant", "attention_backend")}
-    doc.update(status="starting", scenarios={}, errors=[], mode_env={k: os.environ.get(k) for k in RECORDED_ENV})
+    doc.update(status="starting", scenarios={}, errors=[], mode_env={k: os.environ.get(k) for k in R.RECORDED_ENV})
 
     def save(status=None):
         if status:
@@ -871,7 +833,7 @@ def run_worker(job: dict, part, *, build=None, clock=time.time) -> int:
         return 3
     doc["init_s"] = clock() - t0
     doc["runner"] = engine.runner
-    doc["engine_env"] = {k: os.environ.get(k) for k in RECORDED_ENV}
+    doc["engine_env"] = {k: os.environ.get(k) for k in R.RECORDED_ENV}
     try:
         doc["engine"] = engine.info()
     except Exception:
@@ -1033,11 +995,11 @@ def run_online_job(a, job: dict, scenarios: list, deadline: float, out: Path, *,
                attention_backend=attention_backend(job["mode"], gpu=gpu) or "vLLM's choice")
     flags = engine_flags(folder, mode=job["mode"], max_len=max_model_len(scenarios), gpu=gpu,
                          gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager)
-    env = mode_env(job["mode"], job["vllm_invariant"], gpu=gpu)
+    env = R.mode_env(job["mode"], gpu=gpu, vllm_invariant=job["vllm_invariant"])
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's own process layout, as `vllm serve` runs
     if job["mode"] in KIT_MODES:
         env["KIT_PLUGIN_REPORT"] = str(out / "logs" / f"plugin-{job_name(job['model'], job['label'], 'online')}")
-    client_env = mode_env("default", None, gpu=gpu)  # the client loads vLLM's plugins too: the kit's stays off
+    client_env = R.mode_env("default", gpu=gpu)  # the client loads vLLM's plugins too: the kit's stays off
     port = free_port()
     cmd = serve_command(folder, port, flags)
     log_dir = out / "logs"
@@ -1117,7 +1079,7 @@ def run_cli_job(a, job: dict, scenarios: list, deadline: float, out: Path, *, gp
     folder = model_folder(a, job["model"])
     flags = engine_flags(folder, mode=job["mode"], max_len=max_model_len(scenarios), gpu=gpu,
                          gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager)
-    env = mode_env(job["mode"], job["vllm_invariant"], gpu=gpu)
+    env = R.mode_env(job["mode"], gpu=gpu, vllm_invariant=job["vllm_invariant"])
     doc = {k: job[k] for k in ("model", "mode", "label", "vllm_invariant")}
     doc.update(scenarios={}, status="done", runner="vllm bench throughput (one process per run)",
                attention_backend=attention_backend(job["mode"], gpu=gpu) or "vLLM's choice")
@@ -1210,7 +1172,7 @@ def run_driver(a, *, launch=None, clock=time.time, save=None, gpu=None, online_j
                     part.unlink()
                 R.write_json(job_path, worker_job(a, j["model"], j["mode"], j["vllm_invariant"], scs, deadline - 5.0,
                                                   gpu=gpu))
-                env = mode_env(j["mode"], j["vllm_invariant"], gpu=gpu)
+                env = R.mode_env(j["mode"], gpu=gpu, vllm_invariant=j["vllm_invariant"])
                 if j["kind"] == "offline":  # vLLM's own process layout, as `vllm bench throughput` runs
                     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
                 if j["mode"] in KIT_MODES:  # every process of the engine reports the kit's replacements
@@ -1290,7 +1252,7 @@ def main(argv=None) -> int:
                           "estimate_s": sum(j["estimate_s"] for j in jobs) + sum(build.values()),
                           "budget_s": a.budget_s, "max_model_len": max_model_len(scenarios_of(a)),
                           "scenarios": {s.name: dataclasses.asdict(s) for s in scenarios_of(a)},
-                          "env": {label(m, on): {k: v for k, v in mode_env(m, on, gpu=True, base={}).items()
+                          "env": {label(m, on): {k: v for k, v in R.mode_env(m, {}, gpu=True, vllm_invariant=on).items()
                                                  if k.startswith(("KIT_", "VLLM_"))}
                                   for m, on in variants(a.modes, a.vllm_mode_under_kit)}}, indent=1))
         return 0

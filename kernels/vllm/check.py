@@ -7,6 +7,7 @@ staged as in ``shared/device/vllm`` (that README's ``export`` line first, then):
     python -m batch_invariance_kit.vllm.check --out DIR            # everything, within --budget-s (480 s)
     python -m batch_invariance_kit.vllm.check --out DIR --models dense --modes default,invariant --quick
     python -m batch_invariance_kit.vllm.check --out DIR --models deepseek --modes default,kit
+    python -m batch_invariance_kit.vllm.check --out DIR --modes kit+attention --vllm-mode-under-kit both
     python -m batch_invariance_kit.vllm.check --out DIR --dry-run  # print the plan; runs nothing
 
 **Models** (:data:`MODEL_NAMES`): ``dense`` and ``moe``, the kit's Qwen3 models at a realistic size
@@ -31,6 +32,13 @@ when its ``config.json`` holds the model's configuration, ``kit_seed`` included 
   (:mod:`batch_invariance_kit.vllm.attention_backend`, registered by the plugin as vLLM's ``CUSTOM``
   backend).  Not for ``deepseek``: its attention is MLA, which vLLM serves with its MLA backends
   (vLLM chooses one; ``--attention-backend`` applies to the other models).
+
+``--vllm-mode-under-kit`` (:data:`batch_invariance_kit.vllm.records.VLLM_UNDER_KIT`, shared with
+:mod:`batch_invariance_kit.vllm.bench`): the kit's modes with vLLM's own mode under them (``on``, the
+default), without it (``off``: ``KIT_VLLM_INVARIANT=0``, the plugin sets ``VLLM_BATCH_INVARIANT=0``;
+the rows and checks name it ``<mode> alone``; ``kit+attention`` only: with vLLM's FlashAttention
+and its own mode off, decode splits the KV sequence by the batch), or ``both``.  Each variant is
+a job of its own, and its part records the switches its engine ran with (``engine_env``).
 
 The kit's modes are compiled like the default (torch.compile + CUDA graphs); ``--kit-eager`` runs
 them with ``enforce_eager=True``.  The call counters of the swapped kernels count the calls outside
@@ -159,6 +167,7 @@ def parser() -> argparse.ArgumentParser:
                         "instead of the kit's random-weight models")
     p.add_argument("--models", default="dense,moe", help=f"comma-separated subset of {','.join(MODEL_NAMES)}")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {','.join(RC.MODES)}")
+    p.add_argument("--vllm-mode-under-kit", default="on", help=RC.UNDER_KIT_HELP)
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall-clock budget of the whole run (s; default 480, with --model 1800)")
     p.add_argument("--quick", action="store_true", help="smaller experiments (fewer trials, fewer prompts)")
@@ -182,6 +191,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = parser().parse_args(argv)
     a.models = csv_arg("models", a.models, MODEL_NAMES)
     a.modes = csv_arg("modes", a.modes, RC.MODES)
+    RC.check_under_kit(a.vllm_mode_under_kit, a.modes)
     if a.budget_s is None:
         a.budget_s = 1800.0 if a.model is not None else 480.0
     if not (isinstance(a.budget_s, float) and math.isfinite(a.budget_s) and a.budget_s > 0):
@@ -202,7 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.out = os.path.join("results", "local", "vllm")
     if not a.build and not a.dry_run and not a.out:
         raise ValueError("--out is required (the folder of vllm_check.json)")
-    if a.model is None and not a.build and not plan(a.models, a.modes):
+    if a.model is None and not a.build and not plan(a.models, a.modes, a.vllm_mode_under_kit):
         raise ValueError(f"--models {','.join(a.models)} with --modes {','.join(a.modes)} gives no job "
                          f"({'; '.join(not_applicable(m, mode) for m in a.models for mode in a.modes)})")
     return a
@@ -277,11 +287,13 @@ def attention_of(a: argparse.Namespace, model: str, mode: str) -> str | None:
 
 
 def worker_job(a: argparse.Namespace, model: str, mode: str, deadline: float, exps: list) -> dict:
-    """The job of the worker of (``model``, ``mode``): the engine as the arguments ``a`` say,
-    the experiments ``exps`` (:func:`experiments`), to finish before ``deadline``."""
+    """The job of the worker of (``model``, ``mode``; a :func:`~batch_invariance_kit.vllm.records.label`
+    such as ``kit+attention alone`` too): the engine as the arguments ``a`` say, the experiments
+    ``exps`` (:func:`experiments`), to finish before ``deadline``."""
+    base = RC.variant_of(mode)[0]
     engine = {"dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN,
-              "eager": mode in RC.KIT_MODES and not a.kit_compiled, "gpu_memory_utilization": a.gpu_memory_utilization,
-              "attention_backend": attention_of(a, model, mode)}
+              "eager": base in RC.KIT_MODES and not a.kit_compiled, "gpu_memory_utilization": a.gpu_memory_utilization,
+              "attention_backend": attention_of(a, model, base)}
     return R.make_job(engine, exps, deadline=deadline, tags={"model": model, "mode": mode, "quick": a.quick})
 
 
@@ -351,7 +363,8 @@ def part_rows(part: dict, where: str = "part") -> list:
 # ---------------------------------------------------------------------------------------------
 
 def checks(keys: list, rows: list, *, platform: str, failed: dict | None = None, kit: dict | None = None) -> list:
-    """Every check of the (model, mode) pairs ``keys`` from their ``rows`` (records).
+    """Every check of the (model, mode) pairs ``keys`` (a mode or its ``<mode> alone``
+    :func:`~batch_invariance_kit.vllm.records.label`) from their ``rows`` (records).
 
     Per pair: bs1 == bsN, one needle completion, decode == prefill (bitwise), informational in
     vLLM's default mode (and its invariant mode on the CPU: :func:`~batch_invariance_kit.vllm.records.informational`);
@@ -386,15 +399,22 @@ def checks(keys: list, rows: list, *, platform: str, failed: dict | None = None,
                     **({"equal_positions": dp.equal_positions, "positions": dp.positions,
                         "max_abs_diff": dp.max_abs_diff} if dp
                        else {"reason": RC.failure(why.get("vllm_decode_vs_prefill"))["error"]})})
-        if mode in RC.KIT_MODES:
+        if RC.variant_of(mode)[0] in RC.KIT_MODES:
             k = dict(kit.get((model, mode)) or {})
+            engine_env = k.pop("engine_env", None) or {}
             out.append(RC.kit_calls_check(label, k.pop("calls", None), k.pop("need", ("rms_norm",)), **k))
+            if RC.variant_of(mode)[1] is False:
+                switches = {v: engine_env.get(v) for v in (plugin.ENV_VLLM_INVARIANT, "VLLM_BATCH_INVARIANT")}
+                out.append({"name": f"{label}: vLLM's own mode off in the engine (KIT_VLLM_INVARIANT=0, "
+                                    f"VLLM_BATCH_INVARIANT=0)",
+                            "passed": set(switches.values()) == {"0"}, "engine_env": switches})
     return out
 
 
 def kit_report(part: dict, rows: list) -> dict:
     """What the kit's call-counter check of a worker's (model, mode) reads: the calls made while the
-    experiments ran (the engine's profile and warm-up runs excluded), the replacements it needs."""
+    experiments ran (the engine's profile and warm-up runs excluded), the replacements it needs, and
+    the switches its engine ran with (``engine_env``: the kit alone's check reads them)."""
     calls = {}
     for r in rows:
         for k, v in (r.kit_calls or {}).items():
@@ -403,8 +423,9 @@ def kit_report(part: dict, rows: list) -> dict:
     need = ["rms_norm", "fused_add_rms_norm"] + (["moe"] if part.get("model") in MOE_MODELS and "moe" in swapped
                                                  else [])
     eager = (part.get("engine") or {}).get("enforce_eager")
+    counted = "every call (eager)" if eager else "calls outside CUDA-graph replays only (compiled)"
     return {"calls": calls, "need": need, "kit_calls_total": part.get("kit_calls", {}), "swapped": swapped,
-            "eager": eager, "counted": "every call (eager)" if eager else "calls outside CUDA-graph replays only (compiled)"}
+            "eager": eager, "counted": counted, "engine_env": part.get("engine_env")}
 
 
 def rows_and_checks(parts: list, jobs: list) -> tuple:
@@ -420,7 +441,7 @@ def rows_and_checks(parts: list, jobs: list) -> tuple:
             continue
         mine = part_rows(p, f"parts/{key[0]}__{key[1]}.json")
         rows += mine
-        if key[1] in RC.KIT_MODES:
+        if RC.variant_of(key[1])[0] in RC.KIT_MODES:
             kit[key] = kit_report(p, mine)
     return rows, checks(keys, rows, platform="cuda", failed=failed, kit=kit)
 
@@ -505,12 +526,26 @@ def not_applicable(model: str, mode: str) -> str | None:
     return None
 
 
-def plan(models: list, modes: list) -> list:
+def plan(models: list, modes: list, under_kit: str = "on") -> list:
     """Jobs ``[(model, mode)]`` in priority order: default and invariant for every model, then the
-    kit's modes; restricted to the requested models and modes, without the pairs
-    :func:`not_applicable` names."""
-    order = [(m, mode) for group in (("default", "invariant"), RC.KIT_MODES) for m in MODEL_NAMES for mode in group]
-    return [(m, mode) for m, mode in order if m in models and mode in modes and not not_applicable(m, mode)]
+    kit's modes (each as ``under_kit`` says: with vLLM's own mode under it, then ``<mode> alone``,
+    :func:`~batch_invariance_kit.vllm.records.variants`); restricted to the requested models and
+    modes, without the pairs :func:`not_applicable` names."""
+    labels = [RC.label(mode, on) for mode, on in RC.variants([m for m in RC.MODES if m in modes], under_kit)]
+    order = [(m, lab) for group in (("default", "invariant"), RC.KIT_MODES) for m in MODEL_NAMES for lab in labels
+             if RC.variant_of(lab)[0] in group]
+    return [(m, lab) for m, lab in order if m in models and not not_applicable(m, RC.variant_of(lab)[0])]
+
+
+def job_env(model: str, mode: str, base: dict | None = None) -> dict:
+    """The environment of the worker of (``model``, ``mode``; ``<mode> alone`` too) on the GPU:
+    :func:`batch_invariance_kit.vllm.runner.mode_env` of the mode and vLLM's mode under it, and the
+    MoE swap off in a kit mode of a model without experts."""
+    name, on = RC.variant_of(mode)
+    env = R.mode_env(name, base, gpu=True, vllm_invariant=on)
+    if name in RC.KIT_MODES and model not in MOE_MODELS:
+        env[plugin.ENV_MOE] = "0"  # no experts to swap
+    return env
 
 
 def _read_part(path: Path):
@@ -538,11 +573,14 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
 
     t_start = clock()
     deadline = t_start + a.budget_s
-    jobs = [{"model": m, "mode": mode} for m, mode in plan(a.models, a.modes)]
-    extra = {"plan": {"models": a.models, "modes": a.modes, "budget_s": a.budget_s, "quick": a.quick,
+    jobs = [{"model": m, "mode": mode} for m, mode in plan(a.models, a.modes, a.vllm_mode_under_kit)]
+    extra = {"plan": {"models": a.models, "modes": a.modes, "vllm_mode_under_kit": a.vllm_mode_under_kit,
+                      "budget_s": a.budget_s, "quick": a.quick,
                       "attention_backend": a.attention_backend, "kit_compiled": a.kit_compiled,
                       "experiments": list(EXPERIMENTS), "batch_sizes": list(BATCH_SIZES),
-                      "new_tokens": NEW_TOKENS, "mode_descriptions": {m: RC.DESCRIPTION[m] for m in a.modes},
+                      "new_tokens": NEW_TOKENS,
+                      "mode_descriptions": {RC.label(m, on): RC.describe(RC.label(m, on))
+                                            for m, on in RC.variants(a.modes, a.vllm_mode_under_kit)},
                       "not_applicable": [r for r in (not_applicable(m, mode) for m in a.models for mode in a.modes)
                                          if r]},
              "jobs": jobs}
@@ -571,20 +609,19 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
     with tempfile.TemporaryDirectory(prefix="kit-vllm-jobs-") as jobs_dir:
         for j in jobs:
             left = deadline - clock()
-            need = MIN_JOB_S["eager" if j["mode"] in RC.KIT_MODES and not a.kit_compiled else "compiled"]
+            kit_mode = RC.variant_of(j["mode"])[0] in RC.KIT_MODES
+            need = MIN_JOB_S["eager" if kit_mode and not a.kit_compiled else "compiled"]
             if left < need:
                 j.update(status="skipped", skipped=f"budget: {left:.0f} s left < {need:.0f} s needed to start")
                 write()
                 continue
-            stem = f"{j['model']}__{j['mode']}"
+            stem = f"{j['model']}__{j['mode']}".replace(" ", "_")
             part_path, job_path = out / "parts" / f"{stem}.json", Path(jobs_dir) / f"{stem}.json"
             if part_path.exists():
                 part_path.unlink()
             job_path.write_text(json.dumps(worker_job(a, j["model"], j["mode"], deadline - 5.0, exps)))
             cmd = R.worker_command(os.path.join(a.model_dir, j["model"]), job_path, part_path)
-            env = R.mode_env(j["mode"], gpu=True)
-            if j["mode"] in RC.KIT_MODES and j["model"] not in MOE_MODELS:
-                env[plugin.ENV_MOE] = "0"  # no experts to swap
+            env = job_env(j["model"], j["mode"])
             try:
                 r = launch("worker", cmd, env, left, out / "logs" / f"{stem}.log")
             except Exception:
@@ -597,7 +634,7 @@ def run_driver(a: argparse.Namespace, *, launch=None, clock=time.time, save=None
                 j["error"] = (j.get("error")
                               or f"no readable part file (rc={r.get('rc')}, timed_out={r.get('timed_out')})")
             left = deadline - clock()
-            if (j["mode"] in RC.KIT_MODES and j["model"] in MOE_MODELS and part is not None
+            if (kit_mode and j["model"] in MOE_MODELS and part is not None
                     and part.get("status") == "init_failed" and left >= need):
                 # The engine did not come up with the kit's MoE swapped in: try once more (a fresh
                 # process) with the RMSNorm swap only, so that kit mode still says something.
@@ -657,7 +694,8 @@ def user_spec(folder, *, gpu: bool, quick: bool = False) -> dict:
 
 
 def user_rows(model: str, docs: dict, spec: dict, platform: str) -> tuple:
-    """Rows (records) and checks of ``--model`` from the runner's documents per mode (``{mode: doc}``,
+    """Rows (records) and checks of ``--model`` from the runner's documents per mode (``{mode: doc}``, a
+    mode or its ``<mode> alone`` :func:`~batch_invariance_kit.vllm.records.label`;
     :func:`batch_invariance_kit.vllm.runner.run_mode`) of the :func:`user_spec` experiment ``spec``:
     the short target in the ``bs`` batches, the needle in every batch, decode vs prefill of the short
     target."""
@@ -674,8 +712,9 @@ def user_rows(model: str, docs: dict, spec: dict, platform: str) -> tuple:
         rows += [bs_row(res, 0, bs_batches, target_len=len(spec["targets"][0]), **common),
                  needle_row(res, 1, needle_len=len(spec["targets"][1]), **common),
                  dvp_row(res.decode_vs_prefill[0], **common)]
-        if mode in RC.KIT_MODES:
-            kit[(model, mode)] = {"calls": (d.get("plugin") or {}).get("calls"), "need": RC.KIT_CALLS_NEEDED[platform]}
+        if RC.variant_of(mode)[0] in RC.KIT_MODES:
+            kit[(model, mode)] = {"calls": (d.get("plugin") or {}).get("calls"), "need": RC.KIT_CALLS_NEEDED[platform],
+                                  "engine_env": d.get("engine_env")}
     return rows, checks(keys, rows, platform=platform, failed=failed, kit=kit)
 
 
@@ -722,13 +761,13 @@ def run_user_model(a: argparse.Namespace) -> int:
     spec["eager"] = bool(a.kit_eager)  # every mode alike: the modes differ only in the switch
     t0 = time.time()
     docs = {}
-    for mode in a.modes:
-        left = a.budget_s - (time.time() - t0)
+    for mode, on in RC.variants(a.modes, a.vllm_mode_under_kit):
+        name, left = RC.label(mode, on), a.budget_s - (time.time() - t0)
         if left < 30:
-            docs[mode] = {"status": "skipped", "error": f"budget: {left:.0f} s left"}
+            docs[name] = {"status": "skipped", "error": f"budget: {left:.0f} s left"}
             continue
-        docs[mode] = R.run_mode(a.model, mode, spec, timeout=left)
-        print(f"{mode:<14} {docs[mode].get('status')} in {docs[mode].get('seconds', 0):.0f} s", flush=True)
+        docs[name] = R.run_mode(a.model, mode, spec, timeout=left, vllm_invariant=on)
+        print(f"{name:<19} {docs[name].get('status')} in {docs[name].get('seconds', 0):.0f} s", flush=True)
     version = next((d["versions"]["vllm"] for d in docs.values() if (d.get("versions") or {}).get("vllm")), "?")
     name = Path(a.model).resolve().name
     rows, checks_ = user_rows(name, docs, spec, platform)
@@ -756,10 +795,11 @@ def main(argv=None) -> int:
     if a.model is not None:
         return run_user_model(a)
     if a.dry_run:
-        jobs = plan(a.models, a.modes)
-        print(json.dumps({"jobs": [{"model": m, "mode": mode, "env": R.mode_env(mode, {}, gpu=True),
-                                    "attention_backend": attention_of(a, m, mode),
-                                    "enforce_eager": mode in RC.KIT_MODES and not a.kit_compiled} for m, mode in jobs],
+        jobs = plan(a.models, a.modes, a.vllm_mode_under_kit)
+        print(json.dumps({"jobs": [{"model": m, "mode": mode, "env": job_env(m, mode, {}),
+                                    "attention_backend": attention_of(a, m, RC.variant_of(mode)[0]),
+                                    "enforce_eager": RC.variant_of(mode)[0] in RC.KIT_MODES and not a.kit_compiled}
+                                   for m, mode in jobs],
                           "not_applicable": [r for r in (not_applicable(m, mode) for m in a.models for mode in a.modes)
                                              if r],
                           "budget_s": a.budget_s, "min_job_s": MIN_JOB_S, "model_dir": a.model_dir,
@@ -767,7 +807,7 @@ def main(argv=None) -> int:
         return 0
     extra = run_driver(a)
     for j in extra["jobs"]:
-        print(f"{j['model']:>8} {j['mode']:<13} {j.get('status')}: rc={j.get('rc')} "
+        print(f"{j['model']:>8} {j['mode']:<19} {j.get('status')}: rc={j.get('rc')} "
               f"{j.get('seconds') or 0:.0f} s {j.get('skipped') or ''}", flush=True)
     print(f"wrote {Path(a.out) / 'vllm_check.json'}", flush=True)
     return 0

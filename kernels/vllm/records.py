@@ -8,7 +8,9 @@ share, from here:
 * **the modes** (:data:`MODES`), one name each, the same on the command lines, in the JSON files
   and in the figures: ``default`` (vLLM as installed), ``invariant`` (``VLLM_BATCH_INVARIANT=1``,
   vLLM's own mode), ``kit`` (``KIT_BATCH_INVARIANT=1``: the kit's plugin) and ``kit+attention``
-  (kit mode with the kit's attention backend as well);
+  (kit mode with the kit's attention backend as well); a kit mode runs with vLLM's own mode under
+  it on a GPU, or without it (``--vllm-mode-under-kit``, :data:`VLLM_UNDER_KIT`: the rows name it
+  ``<mode> alone``, :func:`label`, :func:`variants`);
 * **the prompts** of the kit's random-weight models, each chosen by its seed
   (:data:`TARGET`, :data:`NEEDLE`, :func:`random_prompt`): the same token ids on every machine and
   in both checks;
@@ -58,6 +60,66 @@ DESCRIPTION = {
 }
 
 
+#: ``--vllm-mode-under-kit`` of the checks and the benchmark: the kit's modes with vLLM's own mode
+#: under them (``on``), without it (``off``: ``KIT_VLLM_INVARIANT=0``, the kit alone), or ``both``.
+VLLM_UNDER_KIT = ("on", "off", "both")
+#: The suffix of a kit mode's name without vLLM's own mode under it.
+ALONE = " alone"
+#: The help of ``--vllm-mode-under-kit`` (both commands).
+UNDER_KIT_HELP = ("kit modes with vLLM's own mode under them: on, off (the kit alone, KIT_VLLM_INVARIANT=0: "
+                  "kit+attention only), both")
+
+
+def label(mode: str, vllm_invariant: bool | None) -> str:
+    """The name of a (mode, vLLM's mode under kit) variant in the rows and checks: ``<mode>``, or
+    ``<mode> alone`` for a kit mode without vLLM's own mode."""
+    return f"{mode}{ALONE}" if check_mode(mode) in KIT_MODES and vllm_invariant is False else mode
+
+
+def variant_of(name) -> tuple:
+    """``(mode, vllm_invariant)`` of a :func:`label`: ``None`` for default, ``True`` for
+    invariant and a kit mode, ``False`` for ``<kit mode> alone``; a ``ValueError`` naming it
+    otherwise."""
+    if isinstance(name, str) and name.endswith(ALONE) and name[:-len(ALONE)] in KIT_MODES:
+        return name[:-len(ALONE)], False
+    return check_mode(name), None if name == "default" else True
+
+
+def variants(modes: list, under_kit: str) -> list:
+    """``[(mode, vllm_invariant)]`` of the requested modes: ``vllm_invariant`` is ``None`` for
+    default, ``True`` for invariant, and for kit modes as ``--vllm-mode-under-kit`` says."""
+    check_under_kit(under_kit, modes)
+    out = []
+    for m in modes:
+        if check_mode(m) not in KIT_MODES:
+            out.append((m, None if m == "default" else True))
+            continue
+        out += [(m, on) for on in {"on": (True,), "off": (False,), "both": (True, False)}[under_kit]]
+    return out
+
+
+def check_under_kit(under_kit, modes) -> str:
+    """``under_kit`` if it is one of :data:`VLLM_UNDER_KIT` and fits ``modes``; a ``ValueError``
+    naming ``--vllm-mode-under-kit`` otherwise.  The kit alone needs the kit's attention: with
+    vLLM's FlashAttention and vLLM's own mode off, decode splits the KV sequence by the batch
+    (:data:`batch_invariance_kit.vllm.plugin.VLLM_MODE_PARTS`), so ``off``/``both`` refuse mode ``kit``."""
+    if under_kit not in VLLM_UNDER_KIT:
+        raise ValueError(f"--vllm-mode-under-kit must be one of {list(VLLM_UNDER_KIT)}, got {under_kit!r}")
+    if under_kit != "on" and "kit" in modes:
+        raise ValueError("--vllm-mode-under-kit off/both needs the kit's attention: mode kit (vLLM's FlashAttention) "
+                         "without vLLM's own mode splits the KV sequence by the batch; use --modes kit+attention")
+    return under_kit
+
+
+def describe(name: str) -> str:
+    """What a :func:`label` switches, in one line (:data:`DESCRIPTION`, and for ``<mode> alone``
+    the kit without vLLM's own mode)."""
+    mode, on = variant_of(name)
+    if on is False:
+        return f"{DESCRIPTION[mode]}; KIT_VLLM_INVARIANT=0: vLLM's own mode off under it (the kit alone)"
+    return DESCRIPTION[mode]
+
+
 def check_mode(mode) -> str:
     """``mode`` if it is one of :data:`MODES`; a ``TypeError``/``ValueError`` naming it otherwise."""
     if not isinstance(mode, str):
@@ -75,9 +137,10 @@ def attention_backend(mode: str, requested: str | None, *, gpu: bool) -> str | N
 
 
 def informational(mode: str, platform: str) -> bool:
-    """Whether a mode's invariance checks are informational: vLLM as installed promises nothing,
-    and vLLM's own mode cannot run on its CPU build."""
-    return check_mode(mode) == "default" or (mode == "invariant" and platform == "cpu")
+    """Whether a mode's (or a :func:`label`'s) invariance checks are informational: vLLM as
+    installed promises nothing, and vLLM's own mode cannot run on its CPU build."""
+    mode = variant_of(mode)[0]
+    return mode == "default" or (mode == "invariant" and platform == "cpu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +424,7 @@ class TargetsResult:
 
 @dataclass(frozen=True, kw_only=True)
 class Row:
-    """What every row says: which experiment (``op``), which mode (``impl``), which model."""
+    """What every row says: which experiment (``op``), which mode (``impl``: a :func:`label`), which model."""
     op: str
     impl: str
     model: str
@@ -371,7 +434,7 @@ class Row:
     kit_calls: dict[str, int] | None = None
 
     def __post_init__(self):
-        check_mode(self.impl)
+        variant_of(self.impl)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,8 @@ process because each switch is read when the engine is built:
 * ``kit``: ``KIT_BATCH_INVARIANT=1``: the kit's plugin (:mod:`batch_invariance_kit.vllm.plugin`)
   replaces the batch-variant ops.  On a GPU vLLM's own mode runs under it
   (``VLLM_BATCH_INVARIANT=1``: the sampler's ``log_softmax``); vLLM's CPU build cannot run that
-  mode, and the plugin replaces what it would cover.  With ``KIT_PLUGIN_REPORT`` the plugin
+  mode, and the plugin replaces what it would cover.  A kit mode *alone* (``vllm_invariant=False``)
+  runs without vLLM's mode (``KIT_VLLM_INVARIANT=0``).  With ``KIT_PLUGIN_REPORT`` the plugin
   reports which replacements ran and how often;
 * ``kit+attention``: kit mode with the kit's attention backend: on a GPU the engine asks for
   vLLM's ``CUSTOM`` backend (:func:`batch_invariance_kit.vllm.records.attention_backend`), on
@@ -62,7 +63,8 @@ import traceback
 from pathlib import Path
 
 from ..checks import positive_float, positive_int
-from .records import KIT_MODES, MODES, TargetsResult, attention_backend, check_mode  # noqa: F401 (MODES: the modes of run_mode)
+from .records import (KIT_MODES, MODES, TargetsResult, attention_backend, check_mode,  # noqa: F401 (MODES: run_mode's)
+                      label)
 
 #: Environment of every mode.
 BASE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
@@ -73,9 +75,11 @@ MODE_ENV = {"default": {"KIT_BATCH_INVARIANT": "0"},
             "kit": {"KIT_BATCH_INVARIANT": "1"},
             "kit+attention": {"KIT_BATCH_INVARIANT": "1"}}
 #: The variables a worker records at its start (``mode_env``) and once its engine is built
-#: (``engine_env``: the kit's plugin sets ``VLLM_CPU_ATTN_SPLIT_KV`` itself).
-RECORDED_ENV = ("KIT_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT", "VLLM_ENABLE_V1_MULTIPROCESSING",
-                "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_CPU_ATTN_SPLIT_KV", "KIT_MOE", "KIT_ATTENTION")
+#: (``engine_env``: the kit's plugin sets ``VLLM_CPU_ATTN_SPLIT_KV`` itself, and
+#: ``VLLM_BATCH_INVARIANT`` on CUDA as ``KIT_VLLM_INVARIANT`` says).
+RECORDED_ENV = ("KIT_BATCH_INVARIANT", "KIT_VLLM_INVARIANT", "VLLM_BATCH_INVARIANT",
+                "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_CPU_ATTN_SPLIT_KV", "KIT_MOE",
+                "KIT_ATTENTION")
 #: The engine's options and their defaults (``None``: vLLM's own default).  ``eager``:
 #: ``enforce_eager=True`` (otherwise compiled, as vLLM ships: torch.compile, CUDA graphs on a
 #: GPU); ``kv_cache_gib``: the KV cache's size (``kv_cache_memory_bytes``);
@@ -93,22 +97,27 @@ LOG_TAIL = 6000
 # Modes and processes
 # ---------------------------------------------------------------------------------------------
 
-def mode_env(mode: str, base: dict | None = None, *, gpu: bool | None = None) -> dict:
+def mode_env(mode: str, base: dict | None = None, *, gpu: bool | None = None,
+             vllm_invariant: bool | None = None) -> dict:
     """The environment of a mode's process: ``base`` (default ``os.environ``) without a
-    ``VLLM_BATCH_INVARIANT`` or ``KIT_PLUGIN_REPORT`` of the caller's, plus :data:`BASE_ENV` and
-    the mode's :data:`MODE_ENV`; ``gpu`` (default: CUDA is present) puts vLLM's own mode under
-    the kit's modes, and ``kit+attention`` on the CPU switches the kit's attention on."""
+    ``VLLM_BATCH_INVARIANT``, ``KIT_VLLM_INVARIANT`` or ``KIT_PLUGIN_REPORT`` of the caller's, plus
+    :data:`BASE_ENV` and the mode's :data:`MODE_ENV`; ``gpu`` (default: CUDA is present) puts
+    vLLM's own mode under the kit's modes, and ``kit+attention`` on the CPU switches the kit's
+    attention on.  ``vllm_invariant=False`` (a kit mode alone, :func:`~batch_invariance_kit.vllm.records.variants`)
+    sets ``KIT_VLLM_INVARIANT=0`` (the plugin's switch) and ``VLLM_BATCH_INVARIANT=0`` instead."""
     name = check_mode(mode)
     if gpu is None:
         import torch
 
         gpu = torch.cuda.is_available()
     env = dict(os.environ if base is None else base)
-    env.pop("VLLM_BATCH_INVARIANT", None)
-    env.pop("KIT_PLUGIN_REPORT", None)
+    for k in ("VLLM_BATCH_INVARIANT", "KIT_VLLM_INVARIANT", "KIT_PLUGIN_REPORT"):
+        env.pop(k, None)
     env.update(BASE_ENV)
     env.update(MODE_ENV[name])
-    if name in KIT_MODES and gpu:
+    if name in KIT_MODES and vllm_invariant is False:
+        env.update(KIT_VLLM_INVARIANT="0", VLLM_BATCH_INVARIANT="0")
+    elif name in KIT_MODES and gpu:
         env["VLLM_BATCH_INVARIANT"] = "1"
     if name == "kit+attention" and not gpu:
         env.update({"KIT_ATTENTION": "1", "TRITON_INTERPRET": "1"})
@@ -607,9 +616,11 @@ def summarize(doc: dict) -> dict:
 TARGET_RESULTS = ("alone", "alone_s", "batches", "decode_vs_prefill")
 
 
-def run_mode(model, mode: str, spec: dict, *, timeout: float = 600.0, report_dir=None) -> dict:
+def run_mode(model, mode: str, spec: dict, *, timeout: float = 600.0, report_dir=None,
+             vllm_invariant: bool | None = None) -> dict:
     """Run the :func:`make_spec` experiment ``spec`` on ``model`` (a local HF folder) in a fresh
-    process in ``mode`` (:data:`MODES`), within ``timeout`` seconds.
+    process in ``mode`` (:data:`MODES`; a kit mode with ``vllm_invariant=False``: alone, without
+    vLLM's own mode, :func:`mode_env`), within ``timeout`` seconds.
 
     Returns the worker's document (:func:`run_worker`) with the experiment's results
     (:data:`TARGET_RESULTS`) at its top, ``error`` (the first traceback, when there is one),
@@ -624,7 +635,7 @@ def run_mode(model, mode: str, spec: dict, *, timeout: float = 600.0, report_dir
         raise FileNotFoundError(f"model must be a local HF folder with a config.json, got {model!r}")
     kit = check_mode(mode) in KIT_MODES
     gpu = torch.cuda.is_available()
-    env = mode_env(mode, gpu=gpu)
+    env = mode_env(mode, gpu=gpu, vllm_invariant=vllm_invariant)
     engine = {**{k: spec[k] for k in SPEC_ENGINE_KEYS}, "attention_backend": attention_backend(mode, None, gpu=gpu)}
     job = make_job(engine, [targets_experiment("targets", spec)])
     with tempfile.TemporaryDirectory(prefix="kit-vllm-") as tmp:
@@ -640,7 +651,7 @@ def run_mode(model, mode: str, spec: dict, *, timeout: float = 600.0, report_dir
         errors = ([e["traceback"] for e in doc.get("errors", [])] + ([res["error"]] if "error" in res else []))
         if errors:
             doc["error"] = errors[0]
-        doc.update(mode=mode, seconds=r["seconds"], rc=r["rc"], timed_out=r["timed_out"])
+        doc.update(mode=label(mode, vllm_invariant), seconds=r["seconds"], rc=r["rc"], timed_out=r["timed_out"])
         if r["rc"] != 0:
             doc["log_tail"] = r["log_tail"]
         if kit:
