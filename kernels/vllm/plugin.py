@@ -128,9 +128,11 @@ REPLACEMENT_TABLE = (
     ("MoE experts (unquantized)",
      "custom op cpu_moe_experts = ops.fixed_shape.moe_experts_tiled (CustomOp.register_oot)",
      "custom op moe_from_logits = ops.moe route, dispatch, grouped GEMM, combine, Triton (CustomOp.register_oot)"),
-    ("sampler: log_softmax, argmax",
-     "not replaced: one row at a time on the CPU",
-     "vLLM's batch-invariant log_softmax (VLLM_BATCH_INVARIANT=1)"),
+    ("sampler: log_softmax (argmax, exact in any order, is not replaced)",
+     "not replaced: one row at a time on the CPU (vLLM's own mode cannot run on its CPU build)",
+     "vLLM's own mode on (VLLM_BATCH_INVARIANT=1, the default): its batch-invariant log_softmax; off "
+     "(KIT_VLLM_INVARIANT=0): aten::_log_softmax = ops.override.log_softmax, the kit's row-wise kernel "
+     "(torch.library); vLLM's V2 runner: its own logprob kernel, one program per row"),
 )
 
 #: What vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, vLLM 0.26 on an sm_90 GPU)
