@@ -582,3 +582,36 @@ def test_vs_vllm_command_stops_with_a_message_before_measuring(tmp_path, monkeyp
         with pytest.raises(SystemExit, match="GPU box"):
             V.main(["--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())
+
+
+def test_vs_vllm_rows_and_checks_with_stand_ins(monkeypatch):
+    """vs_vllm's bookkeeping on the CPU, with stand-ins for what needs the GPU (small fp32 layers,
+    a fixed timer, the kit's variant layer standing in for vLLM): one row per (model, tokens,
+    implementation), the kit's bitwise check required and passed, the stand-in's differences
+    observed, one goal per cell with the ratio of the two medians."""
+    import itertools
+
+    from batch_invariance_kit.bench import moe_vllm as V
+
+    small = {"qwen-like": dict(experts=E, top_k=TOPK, hidden=H, inter=INTER, renormalize=True, shared=0),
+             "deepseek-like": _deepseek_like(h=256)}
+    make_weights = V.layer_weights
+    monkeypatch.setattr(V, "MODELS", small)
+    monkeypatch.setattr(V, "layer_weights", lambda spec: make_weights(spec, device=DEV, dtype=torch.float32))
+    monkeypatch.setattr(V, "vllm_layer", lambda: (lambda x, w, spec: V.kit_layer(x, w, spec, impl="variant"), "stand-in"))
+    medians = itertools.cycle([40.0, 30.0])  # the kit's cell first, then the peer's
+
+    def timer(fn, **kw):
+        t = next(medians)
+        return {"median_us": t, "p25_us": t - 1, "p75_us": t + 1}, False
+    monkeypatch.setattr(V, "median_us_graph_or_plain", timer)
+    rows, checks = V.vs_vllm(True, tokens=[1, 130])
+    assert [(r["model"], r["tokens"], r["impl"]) for r in rows] == [
+        (m, n, impl) for m in small for n in (1, 130) for impl in (V.KIT_IMPL, V.VLLM_IMPL)]
+    assert all(r["rows_differing_from_alone"] == 0 for r in rows if r["impl"] == V.KIT_IMPL)
+    required = [c for c in checks if not c.get("goal") and not c.get("informational")]
+    assert len(required) == 2 and all(c["passed"] for c in required)
+    observed = [c for c in checks if "tokens_differing" in c]
+    assert len(observed) == 2 and any(c["tokens_differing"] for c in observed)  # the variant stand-in differs
+    goals = [c for c in checks if c.get("goal")]
+    assert len(goals) == 4 and all(c["speed_ratio_vs_vllm"] == 30.0 / 40.0 and not c["passed"] for c in goals)

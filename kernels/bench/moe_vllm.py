@@ -142,8 +142,9 @@ def vs_vllm(quick: bool, *, tokens=None, models=None) -> tuple:
         spec = MODELS[model]
         w = layer_weights(spec)
         k, h, i = spec["top_k"], spec["hidden"], spec["inter"]
-        g = torch.Generator(device="cuda").manual_seed(1)
-        x_all = torch.randn((max(sizes), h), generator=g, device="cuda").to(DTYPE)
+        dev = w["router"].device
+        g = torch.Generator(device=dev).manual_seed(1)
+        x_all = torch.randn((max(sizes), h), generator=g, device=dev).to(w["router"].dtype)
         fns = {KIT_IMPL: lambda a: kit_layer(a, w, spec), VLLM_IMPL: lambda a: vllm_run(a, w, spec)}
         alone: dict = {impl: {} for impl in fns}
 
