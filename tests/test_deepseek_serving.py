@@ -55,7 +55,7 @@ def model():
 def eight_sms(monkeypatch):
     """The MLA variant's split-KV plans for 8 SMs on every device, as under the interpreter: with a
     GPU's count every short context would get one-tile splits at any load (see tests/test_e2e.py)."""
-    monkeypatch.setattr(M, "_num_sms", lambda: 8)
+    monkeypatch.setattr(A, "num_sms", lambda: 8)
 
 
 def _bits_equal_rows(a, b) -> list:
