@@ -172,3 +172,18 @@ def test_kit_calls_check():
     c = RC.kit_calls_check("m kit", {"linear": 2, "rms_norm": 1}, RC.KIT_CALLS_NEEDED["cpu"])
     assert c["passed"] and "linear, rms_norm" in c["name"]
     assert not RC.kit_calls_check("m kit", {"linear": 2}, RC.KIT_CALLS_NEEDED["cpu"])["passed"]
+
+
+def test_mode_style_for_every_mode_and_its_alone_label():
+    """One colour per mode in the figures (``plots.mode_style``); a kit mode's ``<mode> alone``
+    label keeps its mode's colour and marker, dash-dotted; a name that is no mode is refused."""
+    from batch_invariance_kit.report import plots
+
+    styles = {m: plots.mode_style(m) for m in RC.MODES}
+    assert len({s["color"] for s in styles.values()}) == len(RC.MODES)
+    for m in RC.KIT_MODES:
+        alone = plots.mode_style(RC.label(m, False))
+        assert (alone["color"], alone["marker"]) == (styles[m]["color"], styles[m]["marker"])
+        assert alone["ls"] == "-." and styles[m]["ls"] == "-"
+    with pytest.raises(ValueError):
+        plots.mode_style("fast")

@@ -81,14 +81,17 @@ def mode_style(mode: str, marker_index: int | None = None) -> dict:
     the same in every figure: vLLM as installed is the peer (grey, dotted); vLLM's own invariant
     mode and the kit's modes are invariant implementations, the first, second and third shade of
     the invariant colour (solid); each mode its own marker (``marker_index`` overrides it, for a
-    figure with more lines than modes)."""
-    from ..vllm.records import MODES, ROLE, check_mode
+    figure with more lines than modes).  A kit mode without vLLM's own mode under it (its
+    :func:`~batch_invariance_kit.vllm.records.label` ``<mode> alone``) keeps its mode's colour and
+    marker, dash-dotted."""
+    from ..vllm.records import MODES, ROLE, variant_of
 
-    r = ROLE[check_mode(mode)]
+    mode, under = variant_of(mode)
+    r = ROLE[mode]
     shade = [m for m in MODES if ROLE[m] == r].index(mode)
     m = MODES.index(mode) if marker_index is None else marker_index
     return {"color": SHADES[r][shade % len(SHADES[r])], "marker": MARKERS[m % len(MARKERS)], "ms": 5,
-            "ls": "-" if r == "invariant" else ":", "lw": 1.6}
+            "ls": ("-." if under is False else "-") if r == "invariant" else ":", "lw": 1.6}
 
 
 def speed_ratios(row: dict) -> dict:
