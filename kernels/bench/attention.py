@@ -435,3 +435,117 @@ def tune(quick: bool, configs=None, prefill: bool = True) -> tuple:
         line.append(f"{t['median_us']:.0f}")
     print(f"  prefill n={n}: " + " ".join(line), flush=True)
     return rows, done
+
+
+#: Schedules for :func:`prefill_sweep`: ``AttnConfig`` fields that differ from the shipped
+#: schedule.  The first group moves work only (launch shape: rows per program, warps, stages),
+#: so each must give the shipped schedule's bits; the second changes the reduction (tile,
+#: split sizes) and is checked only for the step's keys == the cache's bits.
+PREFILL_SWEEP = [
+    {},
+    {"num_stages": 3},
+    {"block_m": 128, "num_warps": 8},
+    {"block_m": 128, "num_warps": 8, "num_stages": 3},
+    {"split_target": 8},
+    {"split_target": None},
+    {"split_size": 1024, "split_target": None},
+    {"block_n": 128, "split_size": 1024},
+    {"block_n": 128, "block_m": 128, "num_warps": 8, "split_size": 1024},
+]
+
+#: the fields of :class:`AttnConfig` that change bits (the rest move work only)
+BIT_FIELDS = ("block_n", "split_size", "split_target")
+
+
+def prefill_sweep(quick: bool, sweep=None) -> tuple:
+    """Prefill time of each schedule of ``sweep`` (:data:`PREFILL_SWEEP`, changes to the shipped
+    schedule) at the prefill cells (:data:`PREFILL_CELLS`; ``quick``: 1k and 4k), with the
+    step's own keys and values (as the vLLM backend runs it) and through the cache alone, beside
+    cuDNN SDPA in the same run.  Checks: in every cell the two paths give the same bits, and a
+    schedule that moves work only gives the shipped schedule's bits."""
+    F = torch.nn.functional
+    base = A.default_config()
+    sweep = PREFILL_SWEEP if sweep is None else sweep
+    dtype = torch.bfloat16
+    scale = D ** -0.5
+    rows, paths_same, work_same = [], {}, {}
+    for seqs, n in (((1, 1024), (1, 4096)) if quick else PREFILL_CELLS):
+        gen = torch.Generator(device="cuda").manual_seed(n * seqs)
+        c = _paged(seqs * n, dtype, seed=n)
+        qs, ks, vs = zip(*(_seq(n, dtype, gen) for _ in range(seqs)))
+        for i in range(seqs):
+            c.write(i, ks[i], vs[i], 0)
+        q = torch.cat(qs)
+        kn, vn = torch.cat(ks), torch.cat(vs)
+        _, bt, lens, qsl = c.args([(i, qs[i], n) for i in range(seqs)])
+        shape = {"dtype": "bfloat16", "tokens": seqs * n, "seqs": seqs, "prompt": n}
+        q4 = torch.stack(qs).transpose(1, 2)
+        k4, v4 = torch.stack(ks).transpose(1, 2), torch.stack(vs).transpose(1, 2)
+        torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default (importing vLLM switches it off)
+        t_sd, g = _time(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
+                                                               enable_gqa=True))
+        rows.append({"op": "attention_prefill", "impl": "sdpa", **shape, **t_sd, "cuda_graph": g})
+        del q4, k4, v4
+        shipped = None
+        out = torch.empty_like(q)
+        line = []
+        for change in sweep:
+            cfg = dataclasses.replace(base, **change)
+            name = ",".join(f"{k}={v}" for k, v in change.items()) or "shipped"
+            try:
+                plan = _plan(q, [n] * seqs, [i * n for i in range(seqs + 1)], config=cfg)
+                step = lambda: A.launch(plan, q, c.k, c.v, bt, scale, out, key=kn, value=vn,  # noqa: E731
+                                        query_start_loc=qsl)
+                cache = lambda: A.launch(plan, q, c.k, c.v, bt, scale, out)  # noqa: E731
+                step()
+                via_step = out.clone()
+                cache()
+                paths_same[f"{seqs}x{n} {name}"] = bitwise_equal(out, via_step)
+                if not change:
+                    shipped = via_step
+                elif not any(k in BIT_FIELDS for k in change) and shipped is not None:
+                    work_same[f"{seqs}x{n} {name}"] = bitwise_equal(via_step, shipped)
+                t_step, g1 = _time(step)
+                t_cache, g2 = _time(cache)
+            except Exception as e:  # a schedule that does not compile or fit: recorded
+                rows.append({"op": "attention_prefill", "impl": "kit-invariant", **shape, "change": change,
+                             "error": repr(e)[:300]})
+                line.append(f"{name}: failed {e!r:.80}")
+                continue
+            for path, t, gr in (("step_kv", t_step, g1), ("cache", t_cache, g2)):
+                rows.append({"op": "attention_prefill", "impl": "kit-invariant", "path": path, **shape,
+                             "change": change, "config": cfg.as_dict(), **t, "cuda_graph": gr,
+                             "speed_ratio_vs_sdpa": t_sd["median_us"] / t["median_us"],
+                             "tflops": _causal_flops(seqs, n) / t["median_us"] * 1e-6})
+            line.append(f"{name}: {t_sd['median_us'] / t_step['median_us']:.3f} "
+                        f"(cache {t_sd['median_us'] / t_cache['median_us']:.3f})")
+        print(f"  prefill {seqs}x{n}: sdpa {t_sd['median_us']:.1f}us | " + " | ".join(line), flush=True)
+        del c, q, kn, vn, out, shipped
+        torch.cuda.empty_cache()
+    checks = [{"name": "prefill sweep ran (timings are data, not pass/fail)", "passed": True, "informational": True},
+              {"name": "every schedule and cell: the step's own keys and values give the cache's bits",
+               "passed": bool(paths_same) and all(paths_same.values()),
+               "failing": [k for k, v in paths_same.items() if not v]},
+              {"name": "every schedule that moves work only gives the shipped schedule's bits",
+               "passed": all(work_same.values()), "failing": [k for k, v in work_same.items() if not v]}]
+    return rows, checks
+
+
+def main(argv=None) -> int:
+    """``python -m batch_invariance_kit.bench.attention prefill-sweep --out DIR [--quick]``: the
+    prefill schedule sweep (:func:`prefill_sweep`), saved as ``attention_prefill_sweep.json``."""
+    import argparse
+    from ..report import results
+
+    p = argparse.ArgumentParser(description="attention benchmarks outside the validation parts")
+    p.add_argument("what", choices=["prefill-sweep"])
+    p.add_argument("--out", required=True, help="folder of the result file")
+    p.add_argument("--quick", action="store_true", help="the 1k and 4k cells only")
+    args = p.parse_args(argv)
+    rows, checks = prefill_sweep(args.quick)
+    results.save("attention_prefill_sweep", rows, checks, folder=args.out)
+    return 0 if all(c["passed"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
