@@ -468,6 +468,35 @@ def test_step_keys_and_values_give_the_cache_bits():
     assert bitwise_equal(torch.cat(c.run(steps, new_kv=True)), torch.cat(c.run(steps)))
 
 
+def test_step_keys_by_tensor_copies_or_pointer_loads_give_the_same_bits():
+    """The whole chunk tiles of the step's keys are copied through tensor descriptors where the
+    layout allows it (heads adjacent, 16-byte aligned token stride) and read with pointer loads
+    where it does not (here: heads interleaved with other columns, as in a padded projection):
+    both give the cache's bits; a key layout the descriptors take is refused where it breaks
+    their alignment rule."""
+    dt = torch.bfloat16
+    c = Cache(dt, seed=4)
+    n = 2 * SPLIT + BN + 9
+    q, k, v = seq_data(6, 0, n, dt)
+    c.write("x", k, v, 0)
+    step = [("x", q[BN + 1:], n)]
+    want = c.run(step)[0]
+    q_, bt, lens, qsl = c.args(step)
+    kn, vn = c.new_kv(step)
+    assert launcher.step_descriptors(kn, vn, CFG.block_n) is not None
+    wide_k = torch.zeros((kn.shape[0], HKV, 2 * D), dtype=dt, device=kn.device)
+    wide_v = torch.zeros_like(wide_k)
+    wide_k[..., :D], wide_v[..., :D] = kn, vn
+    kp, vp = wide_k[..., :D], wide_v[..., :D]  # heads 2 * D apart: no descriptor
+    assert launcher.step_descriptors(kp, vp, CFG.block_n) is None
+    odd = torch.zeros((kn.shape[0] * (HKV * D + 4),), dtype=dt, device=kn.device)[:kn.numel() + (kn.shape[0] - 1) * 4]
+    ko = odd.as_strided(kn.shape, (HKV * D + 4, D, 1))  # a token stride of 8 bytes past 16-byte rows
+    assert launcher.step_descriptors(ko, ko, CFG.block_n) is None
+    for key, value in ((kn, vn), (kp, vp)):
+        got = A.attention(q_, c.k, c.v, bt, lens, qsl, key=key, value=value)
+        assert bitwise_equal(got, want)
+
+
 def test_split_plan_depends_on_the_batch_only_for_the_variant():
     n = 4 * SPLIT + 44
     assert {A.split_plan([n] * bs, HKV, config=CFG)[0] for bs in (1, 2, 4, 8)} == {A.split_size_at(n - 1, CFG)}

@@ -7,7 +7,9 @@ states from the workspace).  The schedule they follow, the row sum and the two n
 (base 2 compiled, base e under the interpreter) are described in
 :mod:`batch_invariance_kit.ops.attention`; the launches are :func:`~.launcher.launch`'s.
 
-No TMA: plain pointer loads, ``tl.dot`` with ``input_precision``; on Hopper the merge launch uses
+Plain pointer loads, but for the whole KV tiles of a step's own keys and values, which the
+tensor memory accelerator copies through descriptors where their layout allows
+(:func:`~.launcher.step_descriptors`; the same values either way); ``tl.dot`` with ``input_precision``; on Hopper the merge launch uses
 ``triton.language.extra.cuda``'s grid dependency control (present in Triton 3.6 and in newer
 Triton, where the interpreter never takes that branch).
 """
@@ -59,9 +61,9 @@ def _row_sum(p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt, s_vnt,
+def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0,
              BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, EDGE: tl.constexpr, EVEN_D: tl.constexpr,
-             NEW: tl.constexpr):
+             NEW: tl.constexpr, TMA: tl.constexpr):
     """K (as ``(D, BLOCK_N)``) and V (``(BLOCK_N, D)``) of KV tile ``t``: from the paged cache
     through the block table, or (``NEW``) from the step's own keys and values, which hold the
     same values as the cache: key position ``p`` is token ``p`` of ``kn_row`` / ``vn_row``
@@ -70,6 +72,10 @@ def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn
     tile may reach ``key_end`` (keys ``>= key_end`` read as zeros, neither their block-table
     entries nor their rows are read); otherwise every key of the tile is below it and the loads
     carry no key mask."""
+    if NEW and TMA and not EDGE:  # a whole tile of the step's keys: one tensor-memory copy each
+        kt = tl.trans(kd.load([row0 + t * BLOCK_N, col0]))
+        v = vd.load([row0 + t * BLOCK_N, col0])
+        return kt, v
     keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
     if EDGE:
         k_ok = keys < key_end
@@ -184,9 +190,9 @@ def _l_row(l, LCOLS: tl.constexpr):
 
 @triton.jit
 def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit,
-                 scale, kn_row, vn_row, s_knt, s_vnt, t_new, ROWS: tl.constexpr, D_PAD: tl.constexpr,
+                 scale, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, t_new, ROWS: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr,
-                 LCOLS: tl.constexpr, EVEN_D: tl.constexpr, NEW: tl.constexpr):
+                 LCOLS: tl.constexpr, EVEN_D: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr):
     """The fp32 state ``(m, l, acc)`` of one split: online softmax from scratch over KV tiles
     ``t_lo .. t_hi - 1`` in increasing order (the row's diagonal tile ``n_tiles - 1``, when the
     split holds it, last).  ``WIDE``: the loop shape of the multi-token programs (``_row_state``);
@@ -201,41 +207,41 @@ def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_of
         t_pg = tl.minimum(t_mid, t_new) if NEW else t_mid
         for t in range(t_lo, t_pg):
             kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt,
-                             s_vnt, BLOCK_N, CACHE_BLOCK, False, EVEN_D, False)
+                             s_vnt, kd, vd, row0, col0, BLOCK_N, CACHE_BLOCK, False, EVEN_D, False, TMA)
             m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False, LCOLS)
         if NEW:
             for t in range(tl.maximum(t_lo, t_pg), t_mid):
                 kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row,
-                                 s_knt, s_vnt, BLOCK_N, CACHE_BLOCK, False, EVEN_D, True)
+                                 s_knt, s_vnt, kd, vd, row0, col0, BLOCK_N, CACHE_BLOCK, False, EVEN_D, True, TMA)
                 m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, False, LCOLS)
         t_dg = tl.maximum(t_lo, n_tiles - 1)
         for t in range(t_dg, tl.minimum(t_hi, t_new) if NEW else t_hi):
             kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt,
-                             s_vnt, BLOCK_N, CACHE_BLOCK, True, EVEN_D, False)
+                             s_vnt, kd, vd, row0, col0, BLOCK_N, CACHE_BLOCK, True, EVEN_D, False, TMA)
             m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, LCOLS)
         if NEW:
             for t in range(tl.maximum(t_dg, t_new), t_hi):
                 kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row,
-                                 s_knt, s_vnt, BLOCK_N, CACHE_BLOCK, True, EVEN_D, True)
+                                 s_knt, s_vnt, kd, vd, row0, col0, BLOCK_N, CACHE_BLOCK, True, EVEN_D, True, TMA)
                 m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, LCOLS)
     else:  # one loop, every tile masked
         for t in range(t_lo, t_hi):
             kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt,
-                             s_vnt, BLOCK_N, CACHE_BLOCK, True, EVEN_D, False)
+                             s_vnt, kd, vd, row0, col0, BLOCK_N, CACHE_BLOCK, True, EVEN_D, False, TMA)
             m, l, acc = _tile_update(q, kt, v, m, l, acc, t, limit, scale, BLOCK_N, ROWS, UPCAST, True, LCOLS)
     return m, l, acc
 
 
 @triton.jit
 def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off, s_cb, s_cs, d, d_ok, limit,
-                 scale, m, l, acc, m_i, l_i, acc_i, kn_row, vn_row, s_knt, s_vnt, ROWS: tl.constexpr,
+                 scale, m, l, acc, m_i, l_i, acc_i, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, EDGE: tl.constexpr,
-                 BRANCH: tl.constexpr, LCOLS: tl.constexpr, EVEN_D: tl.constexpr, NEW: tl.constexpr):
+                 BRANCH: tl.constexpr, LCOLS: tl.constexpr, EVEN_D: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr):
     """Tile ``t`` of the serial launch: the split state's online-softmax step, then, when the
     split is complete, it is folded into the running state (``_fold``) and the split state
     starts again."""
-    kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt, s_vnt,
-                     BLOCK_N, CACHE_BLOCK, EDGE, EVEN_D, NEW)
+    kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0,
+                     BLOCK_N, CACHE_BLOCK, EDGE, EVEN_D, NEW, TMA)
     m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, EDGE, LCOLS)
     done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
     if BRANCH:
@@ -257,9 +263,9 @@ def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv
 
 @triton.jit
 def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
-               kn_row, vn_row, s_knt, s_vnt, t_new, ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, t_new, ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr, LCOLS: tl.constexpr,
-               EVEN_D: tl.constexpr, NEW: tl.constexpr):
+               EVEN_D: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr):
     """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
     loop over the tiles below the diagonal (the loads of the next tile never wait for a split
     to close), then the diagonal tile: each split's state is built from scratch exactly as
@@ -288,26 +294,26 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
         for t in range(0, t_pg):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, kn_row, vn_row, s_knt, s_vnt, ROWS, BLOCK_N, CACHE_BLOCK,
-                                                      UPCAST, False, True, LCOLS, EVEN_D, False)
+                                                      acc_i, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, ROWS, BLOCK_N, CACHE_BLOCK,
+                                                      UPCAST, False, True, LCOLS, EVEN_D, False, TMA)
         if NEW:
             for t in range(tl.maximum(t_pg, 0), t_mid):
                 m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles,
                                                           key_end, kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l,
-                                                          acc, m_i, l_i, acc_i, kn_row, vn_row, s_knt, s_vnt, ROWS,
+                                                          acc, m_i, l_i, acc_i, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, ROWS,
                                                           BLOCK_N, CACHE_BLOCK, UPCAST, False, True, LCOLS, EVEN_D,
-                                                          True)
+                                                          True, TMA)
         t_dg = tl.maximum(t_mid, 0)
         # the diagonal tile, which closes the last split
         for t in range(t_dg, tl.minimum(n_tiles, t_new) if NEW else n_tiles):
             kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt,
-                             s_vnt, BLOCK_N, CACHE_BLOCK, True, EVEN_D, False)
+                             s_vnt, kd, vd, row0, col0, BLOCK_N, CACHE_BLOCK, True, EVEN_D, False, TMA)
             m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, True,
                                            LCOLS)
         if NEW:
             for t in range(tl.maximum(t_dg, t_new), n_tiles):
                 kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row,
-                                 s_knt, s_vnt, BLOCK_N, CACHE_BLOCK, True, EVEN_D, True)
+                                 s_knt, s_vnt, kd, vd, row0, col0, BLOCK_N, CACHE_BLOCK, True, EVEN_D, True, TMA)
                 m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST,
                                                True, LCOLS)
         m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, ROWS, not UPCAST, LCOLS)
@@ -315,8 +321,8 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
         for t in range(0, n_tiles):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, kn_row, vn_row, s_knt, s_vnt, ROWS, BLOCK_N, CACHE_BLOCK,
-                                                      UPCAST, True, False, LCOLS, EVEN_D, False)
+                                                      acc_i, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, ROWS, BLOCK_N, CACHE_BLOCK,
+                                                      UPCAST, True, False, LCOLS, EVEN_D, False, TMA)
     return m, l, acc
 
 
@@ -348,11 +354,11 @@ def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BASE2: tl.constexpr, L
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr, tile_rows_ptr, tile_pos_ptr,
                        tile_split_ptr, tok_ws_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr, scale, max_splits,
                        q_heads, s_qt, s_qh, s_cb, s_cs, s_ch, s_bts, s_ot, s_oh,
-                       kn_ptr, vn_ptr, qsl_ptr, s_knt, s_knh, s_vnt, s_vnh,
+                       kn_ptr, vn_ptr, qsl_ptr, s_knt, s_knh, s_vnt, s_vnh, kd, vd,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_PAD: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
-                       WIDE: tl.constexpr, LCOLS: tl.constexpr, NEW: tl.constexpr):
+                       WIDE: tl.constexpr, LCOLS: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
@@ -411,10 +417,15 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
         t_new = (pos0 - tok0 + tl.load(qsl_ptr + seq) + BLOCK_N - 1) // BLOCK_N
     else:
         kn_row, vn_row, t_new = kn_ptr, vn_ptr, 0
+    # with TMA, the whole tiles of the step's keys are read through the descriptors kd / vd of
+    # the (tokens, kv_heads * head_dim) matrices: key position p is row tok0 - pos0 + p, the kv
+    # head's columns start at kvh * HEAD_DIM
+    row0 = (tok0 - pos0).to(tl.int32)
+    col0 = kvh * HEAD_DIM
     if SERIAL:
         m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                               d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt, t_new, Q_TILE * QPK_PAD, D_PAD,
-                               BLOCK_N, CACHE_BLOCK, UPCAST, WIDE, LCOLS, HEAD_DIM == D_PAD, NEW)
+                               d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, t_new, Q_TILE * QPK_PAD, D_PAD,
+                               BLOCK_N, CACHE_BLOCK, UPCAST, WIDE, LCOLS, HEAD_DIM == D_PAD, NEW, TMA)
         o = acc / _l_row(l, LCOLS)[:, None]
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
         tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -422,8 +433,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
         t_lo = split * split_tiles
         t_hi = tl.minimum(t_lo + split_tiles, n_tiles)
         m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                                 d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt, t_new, Q_TILE * QPK_PAD, D_PAD,
-                                 BLOCK_N, CACHE_BLOCK, UPCAST, WIDE, LCOLS, HEAD_DIM == D_PAD, NEW)
+                                 d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, t_new, Q_TILE * QPK_PAD, D_PAD,
+                                 BLOCK_N, CACHE_BLOCK, UPCAST, WIDE, LCOLS, HEAD_DIM == D_PAD, NEW, TMA)
         keep = row_ok & ((rows * 0 + t_lo) < t_hi)
         # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
         w0 = (tl.load(tok_ws_ptr + tok, mask=row_ok, other=0).to(tl.int64) * q_heads + head) * max_splits

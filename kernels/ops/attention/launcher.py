@@ -9,10 +9,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from ...device import INTERPRET
 from .kernels import LOG2E, ROW_SUM_COLUMNS, _attn_merge_kernel, _attn_split_kernel
 
-__all__ = ["MERGE_COLUMNS", "FOLD_CHUNK", "workspace", "launch"]
+__all__ = ["MERGE_COLUMNS", "FOLD_CHUNK", "workspace", "step_descriptors", "launch"]
 
 
 #: columns of the output per program of the left-fold merge (one warp: a column per lane);
@@ -35,6 +37,26 @@ def workspace(rows: int, cols: int, device: torch.device) -> torch.Tensor:
         except MemoryError:
             pass
     return torch.empty((rows, cols), dtype=torch.float32, device=device)
+
+
+def step_descriptors(key, value, block_n: int):
+    """Tensor descriptors of the step's own keys and values as ``(tokens, kv_heads * head_dim)``
+    matrices with ``(block_n, head_dim)`` boxes (the whole KV tiles of a chunk are copied by the
+    tensor memory accelerator), or ``None`` where the layout does not allow them: heads not
+    adjacent in memory, a head dim that is not a power of two of at least 16 bytes, a token
+    stride or base not 16-byte aligned.  Where ``None``, the same tiles are read with pointer
+    loads: the same values, so the same bits."""
+    if key is None:
+        return None
+    t, hkv, d = key.shape
+    es = key.element_size()
+    for x in (key, value):
+        if (x.stride(2) != 1 or x.stride(1) != d or (x.stride(0) * es) % 16 or x.data_ptr() % 16
+                or x.shape != key.shape or x.dtype != key.dtype):
+            return None
+    if t == 0 or d & (d - 1) or d * es < 16 or d > 256 or block_n > 256:
+        return None
+    return tuple(TensorDescriptor(x, [t, hkv * d], [x.stride(0), 1], [block_n, d]) for x in (key, value))
 
 
 #: per CUDA device index: whether it takes programmatic dependent launch (:func:`_pdl`)
@@ -71,20 +93,23 @@ def launch(plan, q, k_cache, v_cache, block_table, scale, out, *, merge: bool = 
     d_pad = mp.acc.shape[1]
     merging = merge and mp.tokens.shape[0] > 0
     pdl = merging and _pdl(q.device)
+    descs = step_descriptors(key, value, plan.config.block_n) if key is not None and plan.tiles.seq.shape[0] else None
     for g in (plan.tiles, plan.decode):
         if g.seq.shape[0] == 0:
             continue
         new = key is not None and g is plan.tiles
         kn, vn, qsl = (key, value, query_start_loc) if new else (q, q, g.seq)
+        kd, vd = descs if new and descs is not None else (kn, vn)
         _attn_split_kernel[(g.seq.shape[0], hkv, 1 if g.serial else mp.max_splits)](
             q, k_cache, v_cache, block_table, g.seq, g.tok, g.rows, g.pos, g.split, mp.rank,
             mp.acc, mp.ml, out, scale if INTERPRET else scale * LOG2E, mp.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1), kn, vn, qsl, *((kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
-                                                         if new else (0, 0, 0, 0)),
+                                                         if new else (0, 0, 0, 0)), kd, vd,
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=g.q_tile, BLOCK_N=plan.config.block_n, CACHE_BLOCK=bs,
             HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, WIDE=g is plan.tiles,
             LCOLS=0 if INTERPRET or q.dtype == torch.float32 or g is plan.tiles else ROW_SUM_COLUMNS, NEW=new,
+            TMA=new and descs is not None,
             num_warps=g.num_warps, num_stages=g.num_stages)
     if merging:
         d_blk = min(d_pad, MERGE_COLUMNS)
