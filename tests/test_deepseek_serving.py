@@ -68,7 +68,7 @@ def test_load_experiment_invariant(model):
     r = load_experiment(model, PROMPT, impl="invariant", **LOAD)
     assert len(set(map(str, r["copy_steps"].values()))) > 1, "the copies must see different loads"
     assert r["unique_token_sequences"] == 1 and r["unique_logprob_sequences"] == 1
-    alone = Engine(model).run([Request(PROMPT, LOAD["max_new_tokens"])])[0]
+    alone = Engine(model, max_num_tokens=max(128, len(PROMPT))).run([Request(PROMPT, LOAD["max_new_tokens"])])[0]
     assert all(completion_key(c) == completion_key(alone) for c in r["completions"])
     rows = rl.trainer_logprobs(model, [(alone.prompt, alone.tokens)])[0]
     assert all(_bits_equal_rows(alone.logprob_rows, rows))

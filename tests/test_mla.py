@@ -106,7 +106,7 @@ def _decode_op(impl):
     w = _weights()
 
     def f(lat, kpe, qn, qp, lens):
-        c = _cache(seed=lat.shape[0], num_blocks=128)
+        c = _cache(seed=lat.shape[0], num_blocks=sum(-(-int(n) // BS) for n in lens) + 8)
         steps = []
         for i in range(lat.shape[0]):
             n = int(lens[i])
@@ -175,13 +175,10 @@ def test_layer_and_kernel_match_float64(dtype):
 
 
 def test_head_matmul_invariant_and_variant_caught():
-    w = (seeded_normal((H, 96, 32), 7) * 0.1).to(torch.float32)
-
-    def make(bs, seed=0):
-        return seeded_normal((bs, H, 96), 100 + seed)[:bs]
+    w = (seeded_normal((H, 96, 32), 7, device=DEV) * 0.1).to(torch.float32)
 
     def rows(bs, seed=0):  # row r is the same in every batch
-        return torch.stack([seeded_normal((H, 96), 1000 * seed + r) for r in range(bs)])
+        return torch.stack([seeded_normal((H, 96), 1000 * seed + r, device=DEV) for r in range(bs)])
     good = check_invariance(lambda x: M.head_matmul(x, w), rows, [1, 5, 20], positions="all")
     bad = check_invariance(lambda x: M.head_matmul(x, w, impl="variant"), rows, [1, 20], positions="all")
     assert good.passed and good.checks == 26 and bad.checks == 21 and not bad.passed, (good.summary(), bad.summary())
