@@ -512,6 +512,25 @@ def test_attention_bench_imports():
     assert all(isinstance(c, A.AttnConfig) for c in attention_bench.tune_configs())
 
 
+def test_prefill_sweep_and_ladder_checks_fail_when_they_should():
+    """The prefill sweep's work-only changes are exactly the launch fields; the ladder's checks
+    pass on a run of the kit's rows alone, and fail on a step-key row with other bits and on a
+    rung that missed the kit's bits."""
+    from batch_invariance_kit.bench import attention as attention_bench
+    from batch_invariance_kit.bench.attention_ladder import ladder_checks
+
+    assert attention_bench.PREFILL_SWEEP[0] == {}
+    for change in attention_bench.PREFILL_SWEEP:
+        dataclasses.replace(A.DEFAULT_CONFIG, **change)  # every change is a valid schedule
+    assert set(attention_bench.BIT_FIELDS) == {"block_n", "split_size", "split_target"}
+    kit = [{"impl": "kit-invariant"}, {"impl": "kit-invariant-step-kv", "bitwise_equal_to_kit": True}]
+    assert all(c["passed"] for c in ladder_checks(kit, BN)) and len(ladder_checks(kit, BN)) == 1
+    assert not ladder_checks([dict(kit[1], bitwise_equal_to_kit=False)], BN)[0]["passed"]
+    rung = {"impl": "splits", "kind": "ladder", "rel_err_vs_sdpa": 1e-3, "must_equal_kit": True, "block_n": BN,
+            "bitwise_equal_to_kit": False, "cell": "c", "shape": [16, BN, 4, 2]}
+    assert [c["passed"] for c in ladder_checks(kit + [rung], BN)] == [True, True, False]
+
+
 @pytest.mark.gpu
 def test_gpu_consistency_quick():
     from batch_invariance_kit.bench import attention as attention_bench
