@@ -9,7 +9,8 @@ states from the workspace).  The schedule they follow, the row sum and the two n
 
 Plain pointer loads, but for the whole KV tiles of a step's own keys and values, which the
 tensor memory accelerator copies through descriptors where their layout allows
-(:func:`~.launcher.step_descriptors`; the same values either way); ``tl.dot`` with ``input_precision``; on Hopper the merge launch uses
+(:func:`~.launcher.step_descriptors`; the same values either way);
+``tl.dot`` with ``input_precision``; on Hopper the merge launch uses
 ``triton.language.extra.cuda``'s grid dependency control (present in Triton 3.6 and in newer
 Triton, where the interpreter never takes that branch).
 """
@@ -61,7 +62,8 @@ def _row_sum(p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0,
+def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt, s_vnt,
+             kd, vd, row0, col0,
              BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, EDGE: tl.constexpr, EVEN_D: tl.constexpr,
              NEW: tl.constexpr, TMA: tl.constexpr):
     """K (as ``(D, BLOCK_N)``) and V (``(BLOCK_N, D)``) of KV tile ``t``: from the paged cache
@@ -71,7 +73,9 @@ def _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn
     ``s_knt`` / ``s_vnt`` apart.  Only the addresses differ, never the values.  ``EDGE``: the
     tile may reach ``key_end`` (keys ``>= key_end`` read as zeros, neither their block-table
     entries nor their rows are read); otherwise every key of the tile is below it and the loads
-    carry no key mask."""
+    carry no key mask.  ``TMA`` (with ``NEW``): such a whole tile of the step's keys is copied
+    through the descriptors ``kd`` / ``vd`` instead, at row ``row0 + t * BLOCK_N`` (the token of
+    the tile's first key) and column ``col0`` (the kv head's first); the same values."""
     if NEW and TMA and not EDGE:  # a whole tile of the step's keys: one tensor-memory copy each
         kt = tl.trans(kd.load([row0 + t * BLOCK_N, col0]))
         v = vd.load([row0 + t * BLOCK_N, col0])
@@ -190,7 +194,8 @@ def _l_row(l, LCOLS: tl.constexpr):
 
 @triton.jit
 def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit,
-                 scale, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, t_new, ROWS: tl.constexpr, D_PAD: tl.constexpr,
+                 scale, kn_row, vn_row, s_knt, s_vnt,
+                 kd, vd, row0, col0, t_new, ROWS: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr,
                  LCOLS: tl.constexpr, EVEN_D: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr):
     """The fp32 state ``(m, l, acc)`` of one split: online softmax from scratch over KV tiles
@@ -234,13 +239,15 @@ def _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_of
 
 @triton.jit
 def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv_off, s_cb, s_cs, d, d_ok, limit,
-                 scale, m, l, acc, m_i, l_i, acc_i, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, ROWS: tl.constexpr,
+                 scale, m, l, acc, m_i, l_i, acc_i, kn_row, vn_row, s_knt, s_vnt,
+                 kd, vd, row0, col0, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, EDGE: tl.constexpr,
                  BRANCH: tl.constexpr, LCOLS: tl.constexpr, EVEN_D: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr):
     """Tile ``t`` of the serial launch: the split state's online-softmax step, then, when the
     split is complete, it is folded into the running state (``_fold``) and the split state
     starts again."""
-    kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0,
+    kt, v = _tile_kv(kc_ptr, vc_ptr, bt_row, t, key_end, kv_off, s_cb, s_cs, d, d_ok, kn_row, vn_row, s_knt, s_vnt,
+                     kd, vd, row0, col0,
                      BLOCK_N, CACHE_BLOCK, EDGE, EVEN_D, NEW, TMA)
     m_i, l_i, acc_i = _tile_update(q, kt, v, m_i, l_i, acc_i, t, limit, scale, BLOCK_N, ROWS, UPCAST, EDGE, LCOLS)
     done = ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles)
@@ -263,7 +270,8 @@ def _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end, kv
 
 @triton.jit
 def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d, d_ok, limit, scale,
-               kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, t_new, ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               kn_row, vn_row, s_knt, s_vnt,
+               kd, vd, row0, col0, t_new, ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                CACHE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr, LCOLS: tl.constexpr,
                EVEN_D: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr):
     """The serial launch: the row's folded state over KV tiles ``0 .. n_tiles - 1``.  One flat
@@ -294,13 +302,15 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
         for t in range(0, t_pg):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, ROWS, BLOCK_N, CACHE_BLOCK,
+                                                      acc_i, kn_row, vn_row, s_knt, s_vnt,
+                                                      kd, vd, row0, col0, ROWS, BLOCK_N, CACHE_BLOCK,
                                                       UPCAST, False, True, LCOLS, EVEN_D, False, TMA)
         if NEW:
             for t in range(tl.maximum(t_pg, 0), t_mid):
                 m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles,
                                                           key_end, kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l,
-                                                          acc, m_i, l_i, acc_i, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, ROWS,
+                                                          acc, m_i, l_i, acc_i, kn_row, vn_row, s_knt, s_vnt,
+                                                          kd, vd, row0, col0, ROWS,
                                                           BLOCK_N, CACHE_BLOCK, UPCAST, False, True, LCOLS, EVEN_D,
                                                           True, TMA)
         t_dg = tl.maximum(t_mid, 0)
@@ -321,7 +331,8 @@ def _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off
         for t in range(0, n_tiles):
             m, l, acc, m_i, l_i, acc_i = _serial_step(q, kc_ptr, vc_ptr, bt_row, t, n_tiles, split_tiles, key_end,
                                                       kv_off, s_cb, s_cs, d, d_ok, limit, scale, m, l, acc, m_i, l_i,
-                                                      acc_i, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, ROWS, BLOCK_N, CACHE_BLOCK,
+                                                      acc_i, kn_row, vn_row, s_knt, s_vnt,
+                                                      kd, vd, row0, col0, ROWS, BLOCK_N, CACHE_BLOCK,
                                                       UPCAST, True, False, LCOLS, EVEN_D, False, TMA)
     return m, l, acc
 
@@ -424,7 +435,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
     col0 = kvh * HEAD_DIM
     if SERIAL:
         m, l, acc = _row_state(q, kc_ptr, vc_ptr, bt_row, n_tiles, split_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                               d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, t_new, Q_TILE * QPK_PAD, D_PAD,
+                               d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt,
+                               kd, vd, row0, col0, t_new, Q_TILE * QPK_PAD, D_PAD,
                                BLOCK_N, CACHE_BLOCK, UPCAST, WIDE, LCOLS, HEAD_DIM == D_PAD, NEW, TMA)
         o = acc / _l_row(l, LCOLS)[:, None]
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
@@ -433,7 +445,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
         t_lo = split * split_tiles
         t_hi = tl.minimum(t_lo + split_tiles, n_tiles)
         m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d,
-                                 d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt, kd, vd, row0, col0, t_new, Q_TILE * QPK_PAD, D_PAD,
+                                 d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt,
+                                 kd, vd, row0, col0, t_new, Q_TILE * QPK_PAD, D_PAD,
                                  BLOCK_N, CACHE_BLOCK, UPCAST, WIDE, LCOLS, HEAD_DIM == D_PAD, NEW, TMA)
         keep = row_ok & ((rows * 0 + t_lo) < t_hi)
         # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
