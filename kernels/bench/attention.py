@@ -211,6 +211,32 @@ def _causal_flops(seqs: int, n: int) -> float:
     return 4.0 * seqs * n * (n + 1) / 2 * HQ * D
 
 
+def _prefill_cell(seqs: int, n: int, dtype) -> dict:
+    """One prefill cell: ``seqs`` random prompts of ``n`` tokens (seeded by the cell) written to
+    a paged cache.  A dict: the cache ``c``, the step's queries ``q`` and its own keys and values
+    ``kn``, ``vn`` (tokens back to back), per prompt ``qs``, ``ks``, ``vs``, the launch metadata
+    ``bt``, ``lens``, ``qsl``, ``plan_args`` (seq_lens, query_start_loc) and the rows' ``shape``."""
+    gen = torch.Generator(device="cuda").manual_seed(n * seqs)
+    c = _paged(seqs * n, dtype, seed=n)
+    qs, ks, vs = zip(*(_seq(n, dtype, gen) for _ in range(seqs)))
+    for i in range(seqs):
+        c.write(i, ks[i], vs[i], 0)
+    _, bt, lens, qsl = c.args([(i, qs[i], n) for i in range(seqs)])
+    return {"c": c, "q": torch.cat(qs), "kn": torch.cat(ks), "vn": torch.cat(vs), "qs": qs, "ks": ks, "vs": vs,
+            "bt": bt, "lens": lens, "qsl": qsl, "plan_args": ([n] * seqs, [i * n for i in range(seqs + 1)]),
+            "shape": {"dtype": dtype_name(dtype), "tokens": seqs * n, "seqs": seqs, "prompt": n}}
+
+
+def _sdpa_prefill_us(cell: dict, cudnn_sdp: bool = True) -> tuple:
+    """SDPA's causal prefill of ``cell`` (:func:`_prefill_cell`), one batched call over its
+    prompts (equal lengths) with cuDNN's backend enabled or not: :func:`_time`'s result."""
+    q4 = torch.stack(cell["qs"]).transpose(1, 2)
+    k4, v4 = torch.stack(cell["ks"]).transpose(1, 2), torch.stack(cell["vs"]).transpose(1, 2)
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
+    return _time(lambda: torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=True,
+                                                                          scale=D ** -0.5, enable_gqa=True))
+
+
 def bench(quick: bool) -> tuple:
     """Decode (batch 1/8/64 x context 1k/8k/32k) and prefill (:data:`PREFILL_CELLS`): the kit's invariant
     and variant kernels (planned once: the timed call is the kernel launches; the split kernels
@@ -307,35 +333,24 @@ def bench(quick: bool) -> tuple:
                   flush=True)
             del c
     for seqs, n in (((1, 1024), (1, 4096)) if quick else PREFILL_CELLS):
-        gen = torch.Generator(device="cuda").manual_seed(n * seqs)
-        c = _paged(seqs * n, dtype, seed=n)
-        qs, ks, vs = zip(*(_seq(n, dtype, gen) for _ in range(seqs)))
-        for i in range(seqs):
-            c.write(i, ks[i], vs[i], 0)
-        q = torch.cat(qs)
-        _, bt, lens, qsl = c.args([(i, qs[i], n) for i in range(seqs)])
+        pc = _prefill_cell(seqs, n, dtype)
+        c, q, bt, lens, qsl, kn, vn, shape = (pc[k] for k in ("c", "q", "bt", "lens", "qsl", "kn", "vn", "shape"))
         out = torch.empty_like(q)
         scale = D ** -0.5
-        plan = _plan(q, [n] * seqs, [i * n for i in range(seqs + 1)], config=cfg)
+        plan = _plan(q, *pc["plan_args"], config=cfg)
         # the step's own keys and values (as the vLLM backend passes them) and the cache alone
-        kn, vn = torch.cat(ks), torch.cat(vs)
         step_kv = lambda: A.launch(plan, q, c.k, c.v, bt, scale, out, key=kn, value=vn,  # noqa: E731
                                    query_start_loc=qsl)
         step_kv()
         via_step = out.clone()
         t_inv, g = _time(step_kv)
         t_cache, g_cache = _time(lambda: A.launch(plan, q, c.k, c.v, bt, scale, out))
-        shape = {"dtype": "bfloat16", "tokens": seqs * n, "seqs": seqs, "prompt": n}
         same_bits[f"{seqs}x{n}"] = bitwise_equal(out, via_step)
         rows.append({"op": "attention_prefill", "impl": "kit-invariant", "step_kv": True, **shape, **t_inv,
                      "cuda_graph": g, "tflops": _causal_flops(seqs, n) / t_inv["median_us"] * 1e-6})
         rows.append({"op": "attention_prefill", "impl": "kit-invariant-cache", "step_kv": False, **shape, **t_cache,
                      "cuda_graph": g_cache, "tflops": _causal_flops(seqs, n) / t_cache["median_us"] * 1e-6})
-        q4 = torch.stack(qs).transpose(1, 2)
-        k4, v4 = torch.stack(ks).transpose(1, 2), torch.stack(vs).transpose(1, 2)
-        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
-        t_sd, g = _time(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
-                                                               enable_gqa=True))
+        t_sd, g = _sdpa_prefill_us(pc, cudnn_sdp)
         rows.append({"op": "attention_prefill", "impl": "sdpa", **shape, **t_sd, "cuda_graph": g,
                      "tflops": _causal_flops(seqs, n) / t_sd["median_us"] * 1e-6,
                      "ratio_invariant_over_sdpa": t_inv["median_us"] / t_sd["median_us"]})
@@ -351,7 +366,7 @@ def bench(quick: bool) -> tuple:
             except Exception as e:
                 rows.append({"op": "attention_prefill", "impl": "fa3-paged", **shape, "error": repr(e)[:300]})
         print(line, flush=True)
-        del c, q4, k4, v4
+        del c, pc
     checks.append({"name": "attention benchmark ran (timings are data, not pass/fail)", "passed": True,
                    "informational": True})
     checks.append({"name": "kit invariant prefill: the step's own keys and values give the cache's bits, every cell",
@@ -483,29 +498,16 @@ def prefill_sweep(quick: bool, sweep=None) -> tuple:
     step's own keys and values (as the vLLM backend runs it) and through the cache alone, beside
     cuDNN SDPA in the same run.  Checks: in every cell the two paths give the same bits, and a
     schedule that moves work only gives the shipped schedule's bits."""
-    F = torch.nn.functional
     base = A.default_config()
     sweep = PREFILL_SWEEP if sweep is None else sweep
     dtype = torch.bfloat16
     scale = D ** -0.5
     rows, paths_same, work_same = [], {}, {}
     for seqs, n in (((1, 1024), (1, 4096)) if quick else PREFILL_CELLS):
-        gen = torch.Generator(device="cuda").manual_seed(n * seqs)
-        c = _paged(seqs * n, dtype, seed=n)
-        qs, ks, vs = zip(*(_seq(n, dtype, gen) for _ in range(seqs)))
-        for i in range(seqs):
-            c.write(i, ks[i], vs[i], 0)
-        q = torch.cat(qs)
-        kn, vn = torch.cat(ks), torch.cat(vs)
-        _, bt, lens, qsl = c.args([(i, qs[i], n) for i in range(seqs)])
-        shape = {"dtype": "bfloat16", "tokens": seqs * n, "seqs": seqs, "prompt": n}
-        q4 = torch.stack(qs).transpose(1, 2)
-        k4, v4 = torch.stack(ks).transpose(1, 2), torch.stack(vs).transpose(1, 2)
-        torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default (importing vLLM switches it off)
-        t_sd, g = _time(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
-                                                               enable_gqa=True))
+        pc = _prefill_cell(seqs, n, dtype)
+        c, q, bt, qsl, kn, vn, shape = (pc[k] for k in ("c", "q", "bt", "qsl", "kn", "vn", "shape"))
+        t_sd, g = _sdpa_prefill_us(pc)  # with cuDNN, torch's default (importing vLLM switches it off)
         rows.append({"op": "attention_prefill", "impl": "sdpa", **shape, **t_sd, "cuda_graph": g})
-        del q4, k4, v4
         shipped = None
         out = torch.empty_like(q)
         line = []
@@ -513,7 +515,7 @@ def prefill_sweep(quick: bool, sweep=None) -> tuple:
             cfg = dataclasses.replace(base, **change)
             name = ",".join(f"{k}={v}" for k, v in change.items()) or "shipped"
             try:
-                plan = _plan(q, [n] * seqs, [i * n for i in range(seqs + 1)], config=cfg)
+                plan = _plan(q, *pc["plan_args"], config=cfg)
                 step = lambda: A.launch(plan, q, c.k, c.v, bt, scale, out, key=kn, value=vn,  # noqa: E731
                                         query_start_loc=qsl)
                 cache = lambda: A.launch(plan, q, c.k, c.v, bt, scale, out)  # noqa: E731
@@ -540,7 +542,7 @@ def prefill_sweep(quick: bool, sweep=None) -> tuple:
             line.append(f"{name}: {t_sd['median_us'] / t_step['median_us']:.3f} "
                         f"(cache {t_sd['median_us'] / t_cache['median_us']:.3f})")
         print(f"  prefill {seqs}x{n}: sdpa {t_sd['median_us']:.1f}us | " + " | ".join(line), flush=True)
-        del c, q, kn, vn, out, shipped
+        del c, q, kn, vn, out, shipped, pc
         torch.cuda.empty_cache()
     checks = [{"name": "prefill sweep ran (timings are data, not pass/fail)", "passed": True, "informational": True},
               {"name": "every schedule and cell: the step's own keys and values give the cache's bits",
