@@ -479,6 +479,8 @@ def tune(quick: bool, configs=None, prefill: bool = True) -> tuple:
 PREFILL_SWEEP = [
     {},
     {"num_stages": 3},
+    {"num_warps": 8},
+    {"num_warps": 8, "num_stages": 3},
     {"block_m": 128, "num_warps": 8},
     {"block_m": 128, "num_warps": 8, "num_stages": 3},
     {"split_target": 8},
