@@ -71,6 +71,11 @@ __all__ = ["IMPLS", "MLAShape", "new_latent_cache", "write_latent", "LatentCache
 IMPLS = ("invariant", "variant", "two_forms", "reference")
 
 
+#: The absorbed kernel's launch: heads per program (the rows of its tiles), warps and pipeline
+#: stages.  Work only: a row's arithmetic is its own at any of them.
+MLA_LAUNCH = {"block_h": 64, "num_warps": 4, "num_stages": 3}
+
+
 class MLAShape:
     """The head layout of one MLA layer, checked: ``heads``, ``kv_lora_rank``, ``rope_dim``
     (even: rotary pairs), ``qk_nope_dim``, ``v_dim``."""
@@ -360,14 +365,15 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     tok_seq, tok_pos = _token_meta(lens, qsl, dev)
     tok_split = torch.tensor(splits, dtype=torch.int32, device=dev)
     rope = cache.shape[2] - kv_lora_rank
-    block_h = max(16, min(64, triton.next_power_of_2(H)))
+    block_h = max(16, min(MLA_LAUNCH["block_h"], triton.next_power_of_2(H)))
     bn = cfg.block_n
     _mla_kernel[(T, triton.cdiv(H, block_h))](
         q, cache, block_table, tok_seq, tok_pos, tok_split, out, scale, H,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), out.stride(0),
         out.stride(1), LORA=kv_lora_rank, ROPE=rope, L_PAD=max(16, triton.next_power_of_2(kv_lora_rank)),
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=bn, LOG2_N=bn.bit_length() - 1,
-        CACHE_BLOCK=cache.shape[1], UPCAST=INTERPRET)
+        CACHE_BLOCK=cache.shape[1], UPCAST=INTERPRET, num_warps=MLA_LAUNCH["num_warps"],
+        num_stages=MLA_LAUNCH["num_stages"])
     return out
 
 
