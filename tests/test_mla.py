@@ -237,3 +237,23 @@ def test_bad_input_is_refused_naming_the_argument():
         M.mla_attention(q, c.cache, bt, lens, qsl, kv_lora_rank=LORA, scale=0.0)
     with pytest.raises(ValueError, match="latent"):
         M.write_latent(lat[:, :8], kpe, c.cache, torch.zeros(8, dtype=torch.int64))
+
+
+def test_launch_shape_moves_work_only(monkeypatch):
+    """``MLA_LAUNCH`` (heads per program, warps, stages) moves work, never a row's arithmetic: a
+    step of 32 heads (a prefill chunk and decode rows) gives the same bits with 16 or 32 heads
+    per program (two programs per token or one)."""
+    heads = 32
+    c = _cache(seed=9, num_blocks=16)
+    lat, kpe, _, _ = _seq(4, 0, N)
+    c.write("s", lat, kpe, 0)
+    q = seeded_normal((N, heads, LORA + ROPE), 11, dtype=DT, device=DEV)
+    for p in range(N - 3, N):
+        c.tables[p] = c.tables["s"]
+    steps = [("s", q[N - 20:], N)] + [(p, q[p - 1:p], p) for p in range(N - 3, N)]
+    qq, bt, lens, qsl = c.args(steps)
+    outs = []
+    for bh in (16, 32):
+        monkeypatch.setitem(M.MLA_LAUNCH, "block_h", bh)
+        outs.append(M.mla_attention(qq, c.cache, bt, lens, qsl, kv_lora_rank=LORA, scale=0.2))
+    assert bitwise_equal(outs[0], outs[1])
