@@ -242,9 +242,10 @@ def test_bad_input_is_refused_naming_the_argument():
 def test_launch_shape_moves_work_only(monkeypatch):
     """``MLA_LAUNCH`` (heads per program, warps, stages) moves work, never a row's arithmetic: a
     step of 32 heads (a prefill chunk and decode rows) gives the same bits with 16 or 32 heads
-    per program (two programs per token or one)."""
+    per program (two programs per token or one), and the launch takes fewer heads per program
+    for a step of few tokens."""
     heads = 32
-    c = _cache(seed=9, num_blocks=16)
+    c = _cache(seed=9, num_blocks=N // BS + 2)
     lat, kpe, _, _ = _seq(4, 0, N)
     c.write("s", lat, kpe, 0)
     q = seeded_normal((N, heads, LORA + ROPE), 11, dtype=DT, device=DEV)
@@ -255,5 +256,8 @@ def test_launch_shape_moves_work_only(monkeypatch):
     outs = []
     for bh in (16, 32):
         monkeypatch.setitem(M.MLA_LAUNCH, "block_h", bh)
+        monkeypatch.setitem(M.MLA_LAUNCH, "small_block_h", bh)
         outs.append(M.mla_attention(qq, c.cache, bt, lens, qsl, kv_lora_rank=LORA, scale=0.2))
     assert bitwise_equal(outs[0], outs[1])
+    monkeypatch.setitem(M.MLA_LAUNCH, "small_block_h", 16)
+    assert (M.mla_block_h(1, 128), M.mla_block_h(64, 128), M.mla_block_h(4, 8)) == (16, 32, 16)

@@ -61,7 +61,7 @@ import triton.language as tl  # noqa: E402
 
 from .tl_numerics import dot_acc, from_f32, to_f32  # noqa: E402
 
-__all__ = ["IMPLS", "MLAShape", "new_latent_cache", "write_latent", "LatentCache", "mla_split_sizes",
+__all__ = ["IMPLS", "MLA_LAUNCH", "mla_block_h", "MLAShape", "new_latent_cache", "write_latent", "LatentCache", "mla_split_sizes",
            "mla_attention", "reference_mla_attention", "head_matmul", "mla", "reference_mla"]
 
 #: ``invariant``: the absorbed form for every step, splits by position; ``variant``: the
@@ -71,9 +71,23 @@ __all__ = ["IMPLS", "MLAShape", "new_latent_cache", "write_latent", "LatentCache
 IMPLS = ("invariant", "variant", "two_forms", "reference")
 
 
-#: The absorbed kernel's launch: heads per program (the rows of its tiles), warps and pipeline
-#: stages.  Work only: a row's arithmetic is its own at any of them.
-MLA_LAUNCH = {"block_h": 64, "num_warps": 4, "num_stages": 3}
+#: The absorbed kernel's launch: heads per program (the rows of its tiles; ``small_block_h``
+#: where ``block_h`` would give fewer than ``small_programs`` programs, a step of a few tokens),
+#: warps and pipeline stages.  Work only: a row's arithmetic is its own at any of them (on an
+#: H100, at DeepSeek-V3 sizes, every shape tried gave the same bits; 64 heads with 8 warps and
+#: 2 stages were the fastest for 64 decode tokens and for a 4096-token prefill, 16 heads for
+#: one decode token: ``results/h100/explorations/mla_launch``).
+MLA_LAUNCH = {"block_h": 64, "small_block_h": 16, "small_programs": 16, "num_warps": 8, "num_stages": 2}
+
+
+def mla_block_h(num_tokens: int, heads: int) -> int:
+    """Heads per program of the absorbed kernel for a step of ``num_tokens`` tokens (a power of
+    two, 16 to 64; :data:`MLA_LAUNCH`)."""
+    cap = triton.next_power_of_2(heads)
+    bh = max(16, min(MLA_LAUNCH["block_h"], cap))
+    if num_tokens * triton.cdiv(heads, bh) < MLA_LAUNCH["small_programs"]:
+        bh = max(16, min(MLA_LAUNCH["small_block_h"], cap))
+    return bh
 
 
 class MLAShape:
@@ -365,7 +379,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     tok_seq, tok_pos = _token_meta(lens, qsl, dev)
     tok_split = torch.tensor(splits, dtype=torch.int32, device=dev)
     rope = cache.shape[2] - kv_lora_rank
-    block_h = max(16, min(MLA_LAUNCH["block_h"], triton.next_power_of_2(H)))
+    block_h = mla_block_h(T, H)
     bn = cfg.block_n
     _mla_kernel[(T, triton.cdiv(H, block_h))](
         q, cache, block_table, tok_seq, tok_pos, tok_split, out, scale, H,
@@ -407,9 +421,12 @@ def reference_mla_attention(q, cache, block_table, seq_lens, query_start_loc, *,
 
 @triton.jit
 def _head_mm_kernel(x_ptr, w_ptr, o_ptr, T, K, N, s_xt, s_xh, s_wh, s_wk, s_ot, s_oh,
-                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                    PARTIAL: tl.constexpr):
     """Program (block of tokens, head, block of columns): ``x[t, h] @ w[h]`` over K blocks of
-    ``BLOCK_K`` in increasing order, fp32, rounded once."""
+    ``BLOCK_K`` in increasing order, fp32, rounded once.  Each block's products accumulate into
+    the running sum; with ``PARTIAL`` each block's sum is formed first and then added (the
+    grouping of split-K: another association, where the block size decides the bits)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -423,7 +440,10 @@ def _head_mm_kernel(x_ptr, w_ptr, o_ptr, T, K, N, s_xt, s_xh, s_wh, s_wk, s_ot, 
                     other=0.0)
         b = tl.load(w_ptr + h.to(tl.int64) * s_wh + k[:, None] * s_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)
-        acc = dot_acc(a, b, acc, UPCAST)
+        if PARTIAL:
+            acc = acc + dot_acc(a, b, tl.zeros((BLOCK_T, BLOCK_N), tl.float32), UPCAST)
+        else:
+            acc = dot_acc(a, b, acc, UPCAST)
     tl.store(o_ptr + t.to(tl.int64)[:, None] * s_ot + h * s_oh + n[None, :], from_f32(acc, o_ptr.dtype.element_ty),
              mask=t_ok[:, None] & n_ok[None, :])
 
@@ -435,8 +455,9 @@ HEAD_MM_BLOCK_K = 32 if INTERPRET else 64
 def head_matmul(x: torch.Tensor, w: torch.Tensor, *, impl: str = "invariant", out=None) -> torch.Tensor:
     """``out[t, h] = x[t, h] @ w[h]``: ``x`` ``(T, heads, K)``, ``w`` ``(heads, K, N)`` -> ``(T,
     heads, N)`` in x's dtype, fp32 accumulation.  ``"invariant"``: K blocks of
-    :data:`HEAD_MM_BLOCK_K`; ``"variant"``: 16 for fewer than 16 tokens, else 64 (a K order
-    picked from the batch); ``"reference"``: float64, rounded once."""
+    :data:`HEAD_MM_BLOCK_K`, each accumulated into the running sum; ``"variant"``: each block's
+    partial sum added to it, blocks of 16 for fewer than 16 tokens, else 64 (a K grouping picked
+    from the batch, as a split-K launch picks it); ``"reference"``: float64, rounded once."""
     if impl not in ("invariant", "variant", "reference"):
         raise ValueError(f"impl must be 'invariant', 'variant' or 'reference', got {impl!r}")
     checks.tensor("x", x, dim=3, contiguous=False)
@@ -457,7 +478,7 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, *, impl: str = "invariant", ou
     bn = max(16, min(64, triton.next_power_of_2(N)))
     _head_mm_kernel[(triton.cdiv(T, 16), H, triton.cdiv(N, bn))](
         x, w, out, T, K, N, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        BLOCK_T=16, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRET)
+        BLOCK_T=16, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRET, PARTIAL=impl == "variant")
     return out
 
 

@@ -259,9 +259,8 @@ class DecodePlanBuffers:
         self._copied = torch.cuda.Event() if cuda else None  # the last copy out of the staging buffer
         self.acc = torch.zeros(full.merge.acc.shape, dtype=torch.float32, device=dev)
         self.ml = torch.zeros(full.merge.ml.shape, dtype=torch.float32, device=dev)
-        # the counters of a parallel decode launch's in-kernel fold, allocated here (outside any
-        # capture: a capture finding no counters would record the merge launch instead)
-        A.counters(dev, capacity * kv_heads)
+        if A.default_config().fold_in_split:  # its counters, allocated here (outside any capture:
+            A.counters(dev, capacity * kv_heads)  # a capture finding none records the merge launch)
         self._plans: dict = {}
 
     @staticmethod

@@ -79,10 +79,10 @@ Launches: parallel or serial
 Who computes what is a launch decision that never changes the bits.  A launch with fewer than
 ``serial_programs`` (query tile, kv head) programs runs one program per split, writes the fp32
 states to a workspace, and a second kernel (one program per token, q head and block of
-:data:`MERGE_COLUMNS` output columns) folds them; in a parallel launch of one-token tiles the
-split programs fold them themselves instead (``fold_in_split``): each counts itself done in a
-counter of its tile and kv head, and the last one folds the token's states in split order and
-writes the output (no merge launch); a larger launch runs *serially*: one program
+:data:`MERGE_COLUMNS` output columns) folds them (with ``fold_in_split``, off by default, a
+parallel launch of one-token tiles folds them itself: each split program counts itself done in
+a counter of its tile and kv head, and the last one folds the token's states in split order and
+writes the output, with no merge launch); a larger launch runs *serially*: one program
 per (query tile, kv head) builds each split's state in turn inside one loop over the row's
 tiles and folds it into the running state as soon as the split closes, then writes the output.
 The serial program performs exactly the operations of the split programs plus the merge kernel,

@@ -69,8 +69,11 @@ class AttnConfig:
     serial_decode_warps: int = 2
     serial_decode_stages: int = 3
     #: a parallel launch of one-token tiles folds each token's split states in its last split
-    #: program (a counter per tile and kv head) instead of a merge launch.  Work only.
-    fold_in_split: bool = True
+    #: program (a counter per tile and kv head) instead of a merge launch.  Work only.  Off: on
+    #: an H100 the merge launch was faster in every parallel decode cell (the last program folds
+    #: a token's states alone, one SM's loads; the merge spreads them over the GPU:
+    #: ``results/h100/explorations/attention_decode_fold``).
+    fold_in_split: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
