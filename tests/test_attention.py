@@ -135,7 +135,7 @@ def test_config_is_the_shipped_schedule():
     for kw, match in ((dict(decode_block_m=24), "decode_block_m"), (dict(block_n=512, split_size=512), "block_n"),
                       (dict(serial_decode_stages=0), "serial_decode_stages"), (dict(num_warps=0), "num_warps"),
                       (dict(serial_programs=0), "serial_programs"), (dict(split_target=0), "split_target"),
-                      (dict(split_size=48), "split_size"), (dict(fold_in_split=1), "fold_in_split")):
+                      (dict(split_size=48), "split_size")):
         with pytest.raises(ValueError, match=match):
             A.AttnConfig(**kw)
     with pytest.raises(ValueError, match="pos"):
@@ -241,41 +241,6 @@ def test_serial_and_parallel_launches_give_the_same_bits():
             assert (plan.tiles.serial, plan.decode.serial) == modes, (sp, plan.tiles.serial, plan.decode.serial)
             assert plan.merge.tokens.numel() == (0 if modes[0] else qsl[-1] - qsl[-2]) + (0 if modes[1] else len(LENS))
             assert bitwise_equal(torch.cat(c.run(steps, config=cfg)), want), (kw, sp)
-
-
-def test_decode_launch_folds_in_its_last_split_program(monkeypatch):
-    """``fold_in_split``: a parallel launch of one-token tiles counts its split programs done
-    per tile and kv head, and the last one folds the token's states and writes the output: no
-    merge launch in a decode-only step (a mixed step with parallel multi-token tiles still
-    launches it, for those), the counters back at zero after every launch, and the bits of the
-    merge kernel and of the serial launch, at every fold step size.  A decode launch captured
-    while the counter buffer is too small merges in the merge kernel (here: no counters)."""
-    c = Cache(torch.bfloat16, seed=8)
-    steps = _mixed_steps(c, 11, torch.bfloat16)
-    dec_steps = steps[:-1]
-    serial = torch.cat(c.run(steps, config=dataclasses.replace(CFG, serial_programs=1)))
-    par = dataclasses.replace(CFG, serial_programs=None)
-    merges = []
-    real_merge = launcher._attn_merge_kernel
-    monkeypatch.setattr(launcher, "_attn_merge_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: (merges.append(grid), real_merge[grid])[1]})())
-    for fold in (False, True):
-        cfg = dataclasses.replace(par, fold_in_split=fold)
-        for chunk in ((launcher.FOLD_CHUNK_TILE, 1, 3) if fold else (launcher.FOLD_CHUNK_TILE,)):
-            monkeypatch.setattr(launcher, "FOLD_CHUNK_TILE", chunk)
-            merges.clear()
-            assert bitwise_equal(torch.cat(c.run(steps, config=cfg)), serial), (fold, chunk)
-            assert len(merges) == 1  # the chunk's tiles are parallel: their tokens need the merge launch
-            merges.clear()
-            assert bitwise_equal(torch.cat(c.run(dec_steps, config=cfg)), serial[:len(dec_steps)])
-            assert len(merges) == (0 if fold else 1), (fold, merges)
-            for buf in launcher._COUNTERS.get((DEV.type, DEV.index), []):
-                assert int(buf.abs().sum()) == 0  # every launch leaves its counters at zero
-    # no counters (a capture with too small a buffer): the merge kernel, the same bits
-    monkeypatch.setattr(launcher, "counters", lambda device, n: None)
-    merges.clear()
-    assert bitwise_equal(torch.cat(c.run(dec_steps, config=par)), serial[:len(dec_steps)])
-    assert len(merges) == 1
 
 
 def test_merge_load_schedule_gives_the_same_bits(monkeypatch):

@@ -238,16 +238,14 @@ def _sdpa_prefill_us(cell: dict, cudnn_sdp: bool = True) -> tuple:
 
 
 def bench(quick: bool) -> tuple:
-    """Decode (batch 1/8/64 x context 1k/8k/32k) and prefill (:data:`PREFILL_CELLS`): the kit's invariant
-    and variant kernels (planned once: the timed call is the kernel launches; the split kernels
-    alone are timed too, and a parallel decode launch with its fold in the last split programs
-    and in a merge launch, checked to give the same bits; prefill with the step's own keys and
-    values, as the vLLM backend runs it, and through the cache alone, ``kit-invariant-cache``,
-    checked to give the same bits) vs SDPA on a gathered contiguous KV (enable_gqa; the gather
-    is not timed) and, where vLLM is staged, FlashAttention-3 on the same paged cache with automatic
-    splits and with ``num_splits=1`` (vLLM's batch-invariant setting).  Per cell, row 0's
-    output alone vs in the batch is compared bitwise for the kit and for both FA3 settings.
-    bf16."""
+    """Decode (batch 1/8/64 x context 1k/8k/32k) and prefill (:data:`PREFILL_CELLS`): the kit's
+    invariant and variant kernels (planned once: the timed call is the kernel launches; the split
+    kernels alone are timed too; prefill with the step's own keys and values, as the vLLM backend
+    runs it, and through the cache alone, ``kit-invariant-cache``, checked to give the same bits)
+    vs SDPA on a gathered contiguous KV (enable_gqa; the gather is not timed) and, where vLLM is
+    staged, FlashAttention-3 on the same paged cache with automatic splits and with
+    ``num_splits=1`` (vLLM's batch-invariant setting).  Per cell, row 0's output alone vs in the
+    batch is compared bitwise for the kit and for both FA3 settings.  bf16."""
     F = torch.nn.functional
     cfg = A.default_config()
     cudnn_sdp = True  # torch's default (importing vLLM, which a result's provenance may do, switches it off)
@@ -258,7 +256,6 @@ def bench(quick: bool) -> tuple:
     ctxs = (1024, 8192) if quick else (1024, 8192, 32768)
     row0 = {}  # (impl, B, L) -> row 0 alone == row 0 in the batch
     same_bits = {}  # prefill cell -> the step's keys and values give the cache's bits
-    same_fold = {}  # parallel decode cell -> the in-kernel fold gives the merge launch's bits
     for L in ctxs:
         for B in batches:
             c, q, bt, lens, qsl = _decode_cell(B, L, dtype)
@@ -275,17 +272,7 @@ def bench(quick: bool) -> tuple:
                 if impl == "invariant":
                     ts, _ = _time(lambda: A.launch(plan, q, c.k, c.v, bt, scale, out, merge=False), per)
                     extra = {"split_kernels_us": ts["median_us"], "serial": plan.decode.serial}
-                    if not plan.decode.serial:  # the fold in the last split programs and in a merge launch
-                        other = _plan(q, [L] * B, list(range(B + 1)), impl=impl,
-                                      config=dataclasses.replace(cfg, fold_in_split=not cfg.fold_in_split))
-                        to, _ = _time(lambda: A.launch(other, q, c.k, c.v, bt, scale, out), per)
-                        folds = {cfg.fold_in_split: t["median_us"], not cfg.fold_in_split: to["median_us"]}
-                        extra.update(fold_in_split_us=folds[True], merge_launch_us=folds[False])
-                        A.launch(other, q, c.k, c.v, bt, scale, out)
-                        by_other = out.clone()
                     A.launch(plan, q, c.k, c.v, bt, scale, out)
-                    if not plan.decode.serial:
-                        same_fold[(B, L)] = bitwise_equal(out, by_other)
                     alone = torch.empty_like(q[:1])
                     A.launch(_plan(q[:1], [L], [0, 1], config=cfg), q[:1], c.k, c.v, bt[:1], scale, alone)
                     row0[("kit-invariant", B, L)] = bitwise_equal(out[:1], alone)
@@ -327,10 +314,7 @@ def bench(quick: bool) -> tuple:
                 r["fastest_non_invariant_peer"] = fastest
                 r["speed_ratio_vs_fastest_peer"] = peers[fastest] / cell["invariant"]
             print(f"  decode B={B:<3} L={L:<6} " + " ".join(f"{k} {v:.1f}us" for k, v in cell.items())
-                  + f" | split kernels {rows[first]['split_kernels_us']:.1f}us"
-                  + (f" | merge launch {rows[first]['merge_launch_us']:.1f}us, in-split fold "
-                     f"{rows[first]['fold_in_split_us']:.1f}us" if 'merge_launch_us' in rows[first] else ""),
-                  flush=True)
+                  + f" | split kernels {rows[first]['split_kernels_us']:.1f}us", flush=True)
             del c
     for seqs, n in (((1, 1024), (1, 4096)) if quick else PREFILL_CELLS):
         pc = _prefill_cell(seqs, n, dtype)
@@ -371,10 +355,6 @@ def bench(quick: bool) -> tuple:
                    "informational": True})
     checks.append({"name": "kit invariant prefill: the step's own keys and values give the cache's bits, every cell",
                    "passed": bool(same_bits) and all(same_bits.values()), "cells": same_bits})
-    checks.append({"name": "kit invariant decode: the fold in the last split programs gives the merge launch's bits, "
-                           "every parallel cell",
-                   "passed": bool(same_fold) and all(same_fold.values()),
-                   "cells": {f"{B}x{L}": v for (B, L), v in same_fold.items()}})
     cells = [(B, L) for L in ctxs for B in batches]
     checks.append({"name": "kit invariant decode: row 0 alone == row 0 in its batch, every benchmark cell",
                    "passed": all(row0[("kit-invariant", B, L)] for B, L in cells)})
@@ -479,8 +459,6 @@ def tune(quick: bool, configs=None, prefill: bool = True) -> tuple:
 PREFILL_SWEEP = [
     {},
     {"num_stages": 3},
-    {"num_warps": 8},
-    {"num_warps": 8, "num_stages": 3},
     {"block_m": 128, "num_warps": 8},
     {"block_m": 128, "num_warps": 8, "num_stages": 3},
     {"split_target": 8},

@@ -259,8 +259,6 @@ class DecodePlanBuffers:
         self._copied = torch.cuda.Event() if cuda else None  # the last copy out of the staging buffer
         self.acc = torch.zeros(full.merge.acc.shape, dtype=torch.float32, device=dev)
         self.ml = torch.zeros(full.merge.ml.shape, dtype=torch.float32, device=dev)
-        if A.default_config().fold_in_split:  # its counters, allocated here (outside any capture:
-            A.counters(dev, capacity * kv_heads)  # a capture finding none records the merge launch)
         self._plans: dict = {}
 
     @staticmethod

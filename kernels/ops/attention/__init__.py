@@ -11,8 +11,7 @@ The files
   fold, the split and merge kernels);
 * :mod:`.plan`: the plan of a step (:func:`make_plan`) and its one layout in a flat buffer
   (:class:`PlanLayout`), shared by the planner and by persistent plans;
-* :mod:`.launcher`: the launches of a planned step (:func:`launch`), its workspace and the counters of
-  the in-kernel fold (:func:`counters`);
+* :mod:`.launcher`: the launches of a planned step (:func:`launch`) and its workspace;
 * :mod:`.ops`: the public ops, :func:`attention` and :func:`decode`;
 * :mod:`.validate`: the checks of the arguments (each error names the argument);
 * :mod:`.reference`: the float64 reference and torch's SDPA on keys gathered from the cache;
@@ -79,10 +78,7 @@ Launches: parallel or serial
 Who computes what is a launch decision that never changes the bits.  A launch with fewer than
 ``serial_programs`` (query tile, kv head) programs runs one program per split, writes the fp32
 states to a workspace, and a second kernel (one program per token, q head and block of
-:data:`MERGE_COLUMNS` output columns) folds them (with ``fold_in_split``, off by default, a
-parallel launch of one-token tiles folds them itself: each split program counts itself done in
-a counter of its tile and kv head, and the last one folds the token's states in split order and
-writes the output, with no merge launch); a larger launch runs *serially*: one program
+:data:`MERGE_COLUMNS` output columns) folds them; a larger launch runs *serially*: one program
 per (query tile, kv head) builds each split's state in turn inside one loop over the row's
 tiles and folds it into the running state as soon as the split closes, then writes the output.
 The serial program performs exactly the operations of the split programs plus the merge kernel,
@@ -139,7 +135,7 @@ beyond a row's position up to its tile's last row read the real cache, in decode
 from __future__ import annotations
 
 from .cache import PagedCache, allocate_blocks, block_table, grow_blocks, new_cache, slots, write_kv
-from .launcher import counters, launch
+from .launcher import launch
 from .ops import attention, decode, prefill
 from .plan import AttnPlan, MergePlan, PlanLayout, TileGroup, make_plan
 from .reference import gather_kv
@@ -172,7 +168,6 @@ __all__ = [
     "PlanLayout",
     "make_plan",
     "launch",
-    "counters",
     "prefill",
     "decode",
     "gather_kv",

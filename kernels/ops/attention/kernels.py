@@ -365,12 +365,11 @@ def _fold(m, l, acc, m_i, l_i, acc_i, ROWS: tl.constexpr, BASE2: tl.constexpr, L
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr, tile_rows_ptr, tile_pos_ptr,
                        tile_split_ptr, tok_ws_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr, scale, max_splits,
                        q_heads, s_qt, s_qh, s_cb, s_cs, s_ch, s_bts, s_ot, s_oh,
-                       kn_ptr, vn_ptr, qsl_ptr, s_knt, s_knh, s_vnt, s_vnh, kd, vd, count_ptr,
+                       kn_ptr, vn_ptr, qsl_ptr, s_knt, s_knh, s_vnt, s_vnh, kd, vd,
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_PAD: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
-                       WIDE: tl.constexpr, LCOLS: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr,
-                       FOLD: tl.constexpr, CHUNK: tl.constexpr):
+                       WIDE: tl.constexpr, LCOLS: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr):
     """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
     state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
@@ -456,51 +455,6 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
         tl.store(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
         tl.store(ws_ml_ptr + w * 2, m, mask=keep)
         tl.store(ws_ml_ptr + w * 2 + 1, _l_row(l, LCOLS), mask=keep)
-        if FOLD:
-            n_splits = tl.cdiv(n_tiles, split_tiles)  # the row's splits (0: a padding tile)
-            if split < n_splits:
-                tl.debug_barrier()  # every thread's states are stored before the count (a release)
-                cnt = count_ptr + tile * tl.num_programs(1) + kvh
-                if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n_splits - 1:  # the last one
-                    tl.debug_barrier()  # no thread reads a state before the count is seen (an acquire)
-                    tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-                    # the token's q heads of this kv head, each row a head
-                    hr = tl.arange(0, QPK_PAD)
-                    h_ok = hr < QPK
-                    wr = (tl.load(tok_ws_ptr + tok0).to(tl.int64) * q_heads + kvh * QPK + hr) * max_splits
-                    _, l_f, acc_f = _fold_states(ws_acc_ptr, ws_ml_ptr, wr, wr[:, None] * D_PAD + d[None, :], h_ok,
-                                                 h_ok[:, None], n_splits, QPK_PAD, D_PAD, CHUNK, not UPCAST)
-                    of_ptr = out_ptr + tok0.to(tl.int64) * s_ot + (kvh * QPK + hr)[:, None] * s_oh + d[None, :]
-                    tl.store(of_ptr, from_f32(acc_f / l_f[:, None], out_ptr.dtype.element_ty),
-                             mask=h_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _fold_states(ws_acc_ptr, ws_ml_ptr, w, wa, ok, ok_a, n, ROWS: tl.constexpr, D_PAD: tl.constexpr,
-                 CHUNK: tl.constexpr, BASE2: tl.constexpr):
-    """The left fold of split states ``0 .. n - 1`` from the workspace into the empty state
-    (``_fold``): state ``j`` of an element has ``m``, ``l`` at rows ``w + j`` of ``ws_ml`` and
-    ``acc`` at ``ws_acc + wa + j * D_PAD`` (``w``: the shape of ``m``; ``wa``: of ``acc``;
-    ``ok``, ``ok_a``: which of them are read).  ``CHUNK`` states per step, unrolled: their loads
-    are in flight together and do not wait for the fold; states past ``n`` leave the state as
-    it is (a select).  The loads go to L2 (``.cg``): the states may have been written by other
-    programs of the running grid."""
-    m = tl.full(w.shape, float("-inf"), tl.float32)
-    l = tl.zeros(w.shape, tl.float32)
-    acc = tl.zeros(wa.shape, tl.float32)
-    for c in range(0, n, CHUNK):
-        for j in tl.static_range(CHUNK):
-            live = c + j < n
-            ok_j = ok & ((w * 0 + c + j) < n)
-            ok_aj = ok_a & ((wa * 0 + c + j) < n)
-            m_j = tl.load(ws_ml_ptr + (w + c + j) * 2, mask=ok_j, other=float("-inf"), cache_modifier=".cg")
-            l_j = tl.load(ws_ml_ptr + (w + c + j) * 2 + 1, mask=ok_j, other=0.0, cache_modifier=".cg")
-            acc_j = tl.load(ws_acc_ptr + wa + (c + j) * D_PAD, mask=ok_aj, other=0.0, cache_modifier=".cg")
-            m_f, l_f, acc_f = _fold(m, l, acc, m_j, l_j, acc_j, ROWS, BASE2)
-            m = tl.where(live, m_f, m)
-            l = tl.where(live, l_f, l)
-            acc = tl.where(live, acc_f, acc)
-    return m, l, acc
 
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])
@@ -528,8 +482,20 @@ def _attn_merge_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, merge_tok_ptr, tok_pos_pt
     if PDL:  # launched early (programmatic dependent launch): wait for the split kernel's states
         gdc_wait()
     col = d * 0
-    m, l, acc = _fold_states(ws_acc_ptr, ws_ml_ptr, w + col, w * D_PAD + d, col == 0, d >= 0, n, 0, D_PAD, CHUNK,
-                             BASE2)
+    # split 0 folded into the empty state, then the rest CHUNK at a time
+    m, l, acc = _fold(tl.full((D_BLK,), float("-inf"), tl.float32), tl.zeros((D_BLK,), tl.float32),
+                      tl.zeros((D_BLK,), tl.float32), tl.load(ws_ml_ptr + w * 2 + col),
+                      tl.load(ws_ml_ptr + w * 2 + 1 + col), tl.load(ws_acc_ptr + w * D_PAD + d), 0, BASE2)
+    for c in range(1, n, CHUNK):  # CHUNK states per step: their loads are independent of the fold
+        for j in tl.static_range(CHUNK):
+            live = col + c + j < n  # states past the row's last leave it as it is (a select)
+            m_j = tl.load(ws_ml_ptr + (w + c + j) * 2 + col, mask=live, other=float("-inf"))
+            l_j = tl.load(ws_ml_ptr + (w + c + j) * 2 + 1 + col, mask=live, other=0.0)
+            acc_j = tl.load(ws_acc_ptr + (w + c + j) * D_PAD + d, mask=live, other=0.0)
+            m_f, l_f, acc_f = _fold(m, l, acc, m_j, l_j, acc_j, 0, BASE2)
+            m = tl.where(live, m_f, m)
+            l = tl.where(live, l_f, l)
+            acc = tl.where(live, acc_f, acc)
     o = acc / l
     tl.store(out_ptr + tok.to(tl.int64) * s_ot + h * s_oh + d, from_f32(o, out_ptr.dtype.element_ty),
              mask=(d < HEAD_DIM) & (col + tok_e >= 0))

@@ -1,10 +1,8 @@
 """The launches of a planned step: the split kernel over the multi-token tiles and over the
 decode tiles, then the merge kernel over the workspace of the parallel launches' split states
-(:func:`launch`), that workspace (:func:`workspace`) and the counters with which a parallel
-decode launch folds its tokens' states in its last split programs instead (:func:`counters`).
-Which launch computes what never changes the bits; the load schedules of the folds
-(:data:`MERGE_COLUMNS`, :data:`FOLD_CHUNK`, :data:`FOLD_CHUNK_TILE`) move work, never the
-arithmetic.
+(:func:`launch`), and that workspace (:func:`workspace`).  Which launch computes what never
+changes the bits; the load schedule of the merge (:data:`MERGE_COLUMNS`, :data:`FOLD_CHUNK`)
+moves work, never the arithmetic.
 """
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...device import INTERPRET
 from .kernels import LOG2E, ROW_SUM_COLUMNS, _attn_merge_kernel, _attn_split_kernel
 
-__all__ = ["MERGE_COLUMNS", "FOLD_CHUNK", "FOLD_CHUNK_TILE", "workspace", "counters", "step_descriptors", "launch"]
+__all__ = ["MERGE_COLUMNS", "FOLD_CHUNK", "workspace", "step_descriptors", "launch"]
 
 
 #: columns of the output per program of the left-fold merge (one warp: a column per lane);
@@ -61,33 +59,6 @@ def step_descriptors(key, value, block_n: int):
     return tuple(TensorDescriptor(x, [t, hkv * d], [x.stride(0), 1], [block_n, d]) for x in (key, value))
 
 
-#: states per step of the fold in a parallel one-token launch's last split program (its
-#: ``q_heads / kv_heads`` rows are spread over the program's threads); a load schedule
-FOLD_CHUNK_TILE = 1 if INTERPRET else 8
-#: fewest counters a device's counter buffer holds (:func:`counters`)
-COUNTERS_MIN = 1 << 16
-#: per device: the buffers of counters handed out, the newest (largest) last; earlier ones are
-#: kept, so that a CUDA graph captured with one never sees its memory reused
-_COUNTERS: dict = {}
-
-
-def counters(device: torch.device, n: int):
-    """``n`` int32 counters at zero on ``device`` for the in-kernel fold of a parallel one-token
-    launch (``AttnConfig.fold_in_split``): a view of the device's buffer, which every launch
-    leaves at zero (the last program of a tile sets its counter back), so launches on one
-    stream share it.  ``None`` while a CUDA graph is being captured and the buffer is too
-    small (a new buffer is not allocated inside a capture): the launch then merges in a merge
-    kernel instead, the same bits."""
-    key = (device.type, device.index)
-    bufs = _COUNTERS.setdefault(key, [])
-    if not bufs or bufs[-1].shape[0] < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        bufs.append(torch.zeros(max(n, COUNTERS_MIN, 2 * bufs[-1].shape[0] if bufs else 0), dtype=torch.int32,
-                                device=device))
-    return bufs[-1][:n]
-
-
 #: per CUDA device index: whether it takes programmatic dependent launch (:func:`_pdl`)
 _PDL: dict = {}
 
@@ -120,13 +91,7 @@ def launch(plan, q, k_cache, v_cache, block_table, scale, out, *, merge: bool = 
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     mp = plan.merge
     d_pad = mp.acc.shape[1]
-    dec = plan.decode
-    count = (counters(q.device, dec.seq.shape[0] * hkv) if merge and plan.config.fold_in_split and not dec.serial
-             and dec.seq.shape[0] else None)
-    # the merge launch: for the parallel multi-token tiles' tokens, and for the decode tokens
-    # unless their launch folds them itself (it then merges them again: the same values)
-    merging = merge and mp.tokens.shape[0] > 0 and (count is None or (plan.tiles.seq.shape[0] > 0
-                                                                       and not plan.tiles.serial))
+    merging = merge and mp.tokens.shape[0] > 0
     pdl = merging and _pdl(q.device)
     descs = step_descriptors(key, value, plan.config.block_n) if key is not None and plan.tiles.seq.shape[0] else None
     for g in (plan.tiles, plan.decode):
@@ -141,11 +106,10 @@ def launch(plan, q, k_cache, v_cache, block_table, scale, out, *, merge: bool = 
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1), kn, vn, qsl, *((kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
                                                          if new else (0, 0, 0, 0)), kd, vd,
-            count if g is dec and count is not None else g.seq,
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=g.q_tile, BLOCK_N=plan.config.block_n, CACHE_BLOCK=bs,
             HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, WIDE=g is plan.tiles,
             LCOLS=0 if INTERPRET or q.dtype == torch.float32 or g is plan.tiles else ROW_SUM_COLUMNS, NEW=new,
-            TMA=new and descs is not None, FOLD=g is dec and count is not None, CHUNK=FOLD_CHUNK_TILE,
+            TMA=new and descs is not None,
             num_warps=g.num_warps, num_stages=g.num_stages)
     if merging:
         d_blk = min(d_pad, MERGE_COLUMNS)

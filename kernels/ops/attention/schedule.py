@@ -68,12 +68,6 @@ class AttnConfig:
     #: warps / pipeline stages of a serial decode-tile launch.  Work only.
     serial_decode_warps: int = 2
     serial_decode_stages: int = 3
-    #: a parallel launch of one-token tiles folds each token's split states in its last split
-    #: program (a counter per tile and kv head) instead of a merge launch.  Work only.  Off: on
-    #: an H100 the merge launch was faster in every parallel decode cell (the last program folds
-    #: a token's states alone, one SM's loads; the merge spreads them over the GPU:
-    #: ``results/h100/explorations/attention_decode_fold``).
-    fold_in_split: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
@@ -84,8 +78,6 @@ class AttnConfig:
             raise ValueError(f"block_n must be at most 256 (the row sum's pairwise tree), got {self.block_n}")
         for name in ("num_warps", "num_stages", "serial_decode_warps", "serial_decode_stages"):
             checks.positive_int(name, getattr(self, name))
-        if not isinstance(self.fold_in_split, bool):
-            raise ValueError(f"fold_in_split must be a bool, got {self.fold_in_split!r}")
         for name in ("split_target", "serial_programs"):  # None: off
             if getattr(self, name) is not None:
                 checks.positive_int(name, getattr(self, name))
