@@ -1175,6 +1175,9 @@ def run_driver(a, *, launch=None, clock=time.time, save=None, gpu=None, online_j
                 env = R.mode_env(j["mode"], gpu=gpu, vllm_invariant=j["vllm_invariant"])
                 if j["kind"] == "offline":  # vLLM's own process layout, as `vllm bench throughput` runs
                     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+                    # the worker reads the model's classes through LLM.apply_model, whose function
+                    # reaches the engine's process only by pickle
+                    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
                 if j["mode"] in KIT_MODES:  # every process of the engine reports the kit's replacements
                     env["KIT_PLUGIN_REPORT"] = str(out / "logs" / f"plugin-{name}")
                 r = launch("worker", me + ["--worker", str(job_path), "--part", str(part)], env, left,
