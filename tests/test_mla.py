@@ -261,3 +261,25 @@ def test_launch_shape_moves_work_only(monkeypatch):
     assert bitwise_equal(outs[0], outs[1])
     monkeypatch.setitem(M.MLA_LAUNCH, "small_block_h", 16)
     assert (M.mla_block_h(1, 128), M.mla_block_h(64, 128), M.mla_block_h(4, 8)) == (16, 32, 16)
+
+
+def test_parallel_splits_and_merge_give_the_serial_bits(monkeypatch):
+    """A step of few tokens runs one program per split plus a merge launch, a larger one folds
+    each row's splits in one program (``MLA_LAUNCH["parallel_below"]``): the same operations in
+    the same order, so the same bits, for decode rows across tiles and splits and a prefill chunk."""
+    c = _cache(seed=12, num_blocks=N // BS + 2)
+    lat, kpe, _, _ = _seq(5, 0, N)
+    c.write("s", lat, kpe, 0)
+    q = seeded_normal((N, H, LORA + ROPE), 13, dtype=DT, device=DEV)
+    ends = [1, 5, CFG.block_n, CFG.block_n + 3, SPLIT, N]
+    for p in ends:
+        c.tables[p] = c.tables["s"]
+    steps = [("s", q[N - 9:], N)] + [(p, q[p - 1:p], p) for p in ends]
+    qq, bt, lens, qsl = c.args(steps)
+    outs = {}
+    for name, below in (("serial", 0), ("parallel", 10 ** 9)):
+        monkeypatch.setitem(M.MLA_LAUNCH, "parallel_below", below)
+        outs[name] = M.mla_attention(qq, c.cache, bt, lens, qsl, kv_lora_rank=LORA, scale=0.2)
+    assert bitwise_equal(outs["serial"], outs["parallel"])
+    ref = M.mla_attention(qq, c.cache, bt, lens, qsl, kv_lora_rank=LORA, scale=0.2, impl="reference")
+    assert (outs["parallel"].double() - ref.double()).abs().max() < 3e-2

@@ -38,7 +38,10 @@ state from scratch in fp32 and folds it into a running state in split order (the
 fixed pairwise tree and ``p`` is rounded to the cache's dtype before its product with the
 latent.  Nothing in a row's arithmetic depends on the other rows, the other tokens of the
 step, the step's size or the chunk boundaries: prefill == decode at every position, any chunk
-start.  ``impl="variant"`` runs the same kernel with split sizes chosen from the batch
+start.  Who computes a split is a launch decision: a step of few tokens (a decode step of a
+small batch) runs one program per (token, block of heads, split), writes the split states to
+an fp32 workspace and folds them in a merge kernel, in the same order, so the same bits
+(:data:`MLA_LAUNCH`).  ``impl="variant"`` runs the same kernel with split sizes chosen from the batch
 (``num_splits = max(1, 2*SMs // num_seqs)`` per sequence, as production split-KV decode does):
 the negative control of the batch-invariance check.
 
@@ -73,11 +76,14 @@ IMPLS = ("invariant", "variant", "two_forms", "reference")
 
 #: The absorbed kernel's launch: heads per program (the rows of its tiles; ``small_block_h``
 #: where ``block_h`` would give fewer than ``small_programs`` programs, a step of a few tokens),
-#: warps and pipeline stages.  Work only: a row's arithmetic is its own at any of them (on an
+#: warps and pipeline stages; a step with fewer than ``parallel_below`` (token, head block)
+#: programs runs one program per split plus a merge launch instead of folding each row's
+#: splits in one program.  Work only: a row's arithmetic is its own at any of them (on an
 #: H100, at DeepSeek-V3 sizes, every shape tried gave the same bits; 64 heads with 8 warps and
 #: 2 stages were the fastest for 64 decode tokens and for a 4096-token prefill, 16 heads for
 #: one decode token: ``results/h100/explorations/mla_launch``).
-MLA_LAUNCH = {"block_h": 64, "small_block_h": 16, "small_programs": 16, "num_warps": 8, "num_stages": 2}
+MLA_LAUNCH = {"block_h": 64, "small_block_h": 16, "small_programs": 16, "num_warps": 8, "num_stages": 2,
+              "parallel_below": 132}
 
 
 def mla_block_h(num_tokens: int, heads: int) -> int:
@@ -231,14 +237,18 @@ def _mla_fold(m, l, acc, m_i, l_i, acc_i):
     return m_new, tl.fma(l, a, l_i * b), tl.fma(acc, a[:, None], acc_i * b[:, None])
 
 
-@triton.jit
-def _mla_kernel(q_ptr, c_ptr, bt_ptr, tok_seq_ptr, tok_pos_ptr, tok_split_ptr, out_ptr, scale, heads,
-                s_qt, s_qh, s_cb, s_cs, s_bts, s_ot, s_oh,
+@triton.jit(do_not_specialize=["max_splits"])
+def _mla_kernel(q_ptr, c_ptr, bt_ptr, tok_seq_ptr, tok_pos_ptr, tok_split_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
+                max_splits, scale, heads, s_qt, s_qh, s_cb, s_cs, s_bts, s_ot, s_oh,
                 LORA: tl.constexpr, ROPE: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                UPCAST: tl.constexpr):
-    """Program (query token, block of heads): the row's splits built and folded in order, then
-    ``o_lat = acc / l`` rounded once to out's dtype."""
+                UPCAST: tl.constexpr, PARALLEL: tl.constexpr):
+    """Serial: program (query token, block of heads): the row's splits built and folded in
+    order, then ``o_lat = acc / l`` rounded once to out's dtype.  ``PARALLEL``: program (query
+    token, block of heads, split) builds that split's state the same way and writes it to the
+    fp32 workspace (row ``(token * heads + head) * max_splits + split``); :func:`_mla_merge_kernel`
+    folds them in split order: the same operations, so the same bits, with more programs for a
+    step of few tokens."""
     tok = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < heads
@@ -263,7 +273,12 @@ def _mla_kernel(q_ptr, c_ptr, bt_ptr, tok_seq_ptr, tok_pos_ptr, tok_split_ptr, o
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc_i = tl.zeros((BLOCK_H, L_PAD), tl.float32)
-    for t in range(0, n_tiles):
+    if PARALLEL:  # this program's split only
+        t_lo = tl.program_id(2) * split_tiles
+        t_hi = tl.minimum(t_lo + split_tiles, n_tiles)
+    else:
+        t_lo, t_hi = 0, n_tiles
+    for t in range(t_lo, t_hi):
         keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = keys <= pos
         blk = tl.load(bt_row + keys // CACHE_BLOCK, mask=k_ok, other=0)
@@ -280,14 +295,47 @@ def _mla_kernel(q_ptr, c_ptr, bt_ptr, tok_seq_ptr, tok_pos_ptr, tok_split_ptr, o
         l_i = l_i * alpha + _pairwise_row_sum(p, BLOCK_H, BLOCK_N, LOG2_N)
         acc_i = dot_acc(from_f32(p, c.dtype), c, acc_i * alpha[:, None], UPCAST)
         m_i = m_new
-        if ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles):
-            m, l, acc = _mla_fold(m, l, acc, m_i, l_i, acc_i)
-            m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_H,), tl.float32)
-            acc_i = tl.zeros((BLOCK_H, L_PAD), tl.float32)
+        if not PARALLEL:
+            if ((t + 1) % split_tiles == 0) | (t + 1 == n_tiles):
+                m, l, acc = _mla_fold(m, l, acc, m_i, l_i, acc_i)
+                m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+                l_i = tl.zeros((BLOCK_H,), tl.float32)
+                acc_i = tl.zeros((BLOCK_H, L_PAD), tl.float32)
+    if PARALLEL:
+        keep = h_ok & (h * 0 + t_lo < t_hi)  # a split past the row's last stores nothing
+        w = (tok.to(tl.int64) * heads + h) * max_splits + tl.program_id(2)
+        tl.store(ws_acc_ptr + w[:, None] * L_PAD + dl[None, :], acc_i, mask=keep[:, None])
+        tl.store(ws_ml_ptr + w * 2, m_i, mask=keep)
+        tl.store(ws_ml_ptr + w * 2 + 1, l_i, mask=keep)
+    else:
+        o = acc / l[:, None]
+        o_ptr = out_ptr + tok.to(tl.int64) * s_ot + h[:, None] * s_oh + dl[None, :]
+        tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["max_splits"])
+def _mla_merge_kernel(ws_acc_ptr, ws_ml_ptr, tok_pos_ptr, tok_split_ptr, out_ptr, max_splits, heads, s_ot, s_oh,
+                      LORA: tl.constexpr, L_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (query token, block of heads): the left fold of the row's split states from the
+    workspace in split order, from the empty state (``_mla_fold``, as the serial program folds
+    them), then ``o_lat = acc / l`` rounded once to out's dtype."""
+    tok = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < heads
+    dl = tl.arange(0, L_PAD)
+    n = tl.load(tok_pos_ptr + tok) // tl.load(tok_split_ptr + tok) + 1  # the row's splits
+    w0 = (tok.to(tl.int64) * heads + h) * max_splits
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, L_PAD), tl.float32)
+    for j in range(0, n):
+        m_j = tl.load(ws_ml_ptr + (w0 + j) * 2, mask=h_ok, other=0.0)
+        l_j = tl.load(ws_ml_ptr + (w0 + j) * 2 + 1, mask=h_ok, other=1.0)  # (padding rows: no 0 / 0)
+        acc_j = tl.load(ws_acc_ptr + (w0 + j)[:, None] * L_PAD + dl[None, :], mask=h_ok[:, None], other=0.0)
+        m, l, acc = _mla_fold(m, l, acc, m_j, l_j, acc_j)
     o = acc / l[:, None]
     o_ptr = out_ptr + tok.to(tl.int64) * s_ot + h[:, None] * s_oh + dl[None, :]
-    tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
+    tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=h_ok[:, None] & (dl < LORA)[None, :])
 
 
 def mla_split_sizes(seq_lens, query_start_loc, *, impl: str = "invariant", config=None) -> list:
@@ -345,13 +393,15 @@ def _check_step(q, cache, block_table, seq_lens, query_start_loc, kv_lora_rank, 
     return lens, qsl
 
 
+def _positions(lens, qsl) -> list:
+    """The position of every query token of a step (host lists)."""
+    return [p for s, n in enumerate(lens) for p in range(n - (qsl[s + 1] - qsl[s]), n)]
+
+
 def _token_meta(lens, qsl, dev):
-    seq, pos = [], []
-    for s, n in enumerate(lens):
-        q_len = qsl[s + 1] - qsl[s]
-        seq += [s] * q_len
-        pos += range(n - q_len, n)
-    return (torch.tensor(seq, dtype=torch.int32, device=dev), torch.tensor(pos, dtype=torch.int32, device=dev))
+    seq = [s for s in range(len(lens)) for _ in range(qsl[s + 1] - qsl[s])]
+    return (torch.tensor(seq, dtype=torch.int32, device=dev),
+            torch.tensor(_positions(lens, qsl), dtype=torch.int32, device=dev))
 
 
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -381,13 +431,26 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     rope = cache.shape[2] - kv_lora_rank
     block_h = mla_block_h(T, H)
     bn = cfg.block_n
-    _mla_kernel[(T, triton.cdiv(H, block_h))](
-        q, cache, block_table, tok_seq, tok_pos, tok_split, out, scale, H,
+    l_pad = max(16, triton.next_power_of_2(kv_lora_rank))
+    hb = triton.cdiv(H, block_h)
+    max_splits = max((p // sp + 1 for p, sp in zip(_positions(lens, qsl), splits)), default=1)
+    parallel = T * hb < MLA_LAUNCH["parallel_below"] and max_splits > 1
+    if parallel:  # a step of few tokens: one program per split, then the merge
+        ws_acc = torch.empty((T * H * max_splits, l_pad), dtype=torch.float32, device=dev)
+        ws_ml = torch.empty((T * H * max_splits, 2), dtype=torch.float32, device=dev)
+    else:
+        ws_acc = ws_ml = out
+    _mla_kernel[(T, hb, max_splits if parallel else 1)](
+        q, cache, block_table, tok_seq, tok_pos, tok_split, out, ws_acc, ws_ml, max_splits, scale, H,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), out.stride(0),
-        out.stride(1), LORA=kv_lora_rank, ROPE=rope, L_PAD=max(16, triton.next_power_of_2(kv_lora_rank)),
+        out.stride(1), LORA=kv_lora_rank, ROPE=rope, L_PAD=l_pad,
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=bn, LOG2_N=bn.bit_length() - 1,
-        CACHE_BLOCK=cache.shape[1], UPCAST=INTERPRET, num_warps=MLA_LAUNCH["num_warps"],
+        CACHE_BLOCK=cache.shape[1], UPCAST=INTERPRET, PARALLEL=parallel, num_warps=MLA_LAUNCH["num_warps"],
         num_stages=MLA_LAUNCH["num_stages"])
+    if parallel:  # 16 heads per merge program (a fold is element-wise: any grouping, the same bits)
+        _mla_merge_kernel[(T, triton.cdiv(H, 16))](ws_acc, ws_ml, tok_pos, tok_split, out, max_splits, H,
+                                                   out.stride(0), out.stride(1), LORA=kv_lora_rank, L_PAD=l_pad,
+                                                   BLOCK_H=16, num_warps=4)
     return out
 
 
