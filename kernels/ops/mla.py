@@ -41,9 +41,9 @@ step, the step's size or the chunk boundaries: prefill == decode at every positi
 start.  Who computes a split is a launch decision: a step of few tokens (a decode step of a
 small batch) runs one program per (token, block of heads, split), writes the split states to
 an fp32 workspace and folds them in a merge kernel, in the same order, so the same bits
-(:data:`MLA_LAUNCH`).  ``impl="variant"`` runs the same kernel with split sizes chosen from the batch
-(``num_splits = max(1, 2*SMs // num_seqs)`` per sequence, as production split-KV decode does):
-the negative control of the batch-invariance check.
+(:data:`MLA_LAUNCH`).  ``impl="variant"`` runs the same kernels with split sizes chosen from
+the batch (``num_splits = max(1, 2*SMs // num_seqs)`` per sequence, as production split-KV
+decode does): the negative control of the batch-invariance check.
 
 The per-head projections (``W_kc`` absorption, ``W_vc`` output) are :func:`head_matmul`, a
 Triton kernel whose K loop has a fixed block size (its ``"variant"``: a block size picked from
@@ -64,8 +64,8 @@ import triton.language as tl  # noqa: E402
 
 from .tl_numerics import dot_acc, from_f32, to_f32  # noqa: E402
 
-__all__ = ["IMPLS", "MLA_LAUNCH", "mla_block_h", "MLAShape", "new_latent_cache", "write_latent", "LatentCache", "mla_split_sizes",
-           "mla_attention", "reference_mla_attention", "head_matmul", "mla", "reference_mla"]
+__all__ = ["IMPLS", "MLA_LAUNCH", "mla_block_h", "MLAShape", "new_latent_cache", "write_latent", "LatentCache",
+           "mla_split_sizes", "mla_attention", "reference_mla_attention", "head_matmul", "mla", "reference_mla"]
 
 #: ``invariant``: the absorbed form for every step, splits by position; ``variant``: the
 #: absorbed form with splits chosen from the batch; ``two_forms``: multi-token steps expanded
@@ -79,9 +79,9 @@ IMPLS = ("invariant", "variant", "two_forms", "reference")
 #: warps and pipeline stages; a step with fewer than ``parallel_below`` (token, head block)
 #: programs runs one program per split plus a merge launch instead of folding each row's
 #: splits in one program.  Work only: a row's arithmetic is its own at any of them (on an
-#: H100, at DeepSeek-V3 sizes, every shape tried gave the same bits; 64 heads with 8 warps and
-#: 2 stages were the fastest for 64 decode tokens and for a 4096-token prefill, 16 heads for
-#: one decode token: ``results/h100/explorations/mla_launch``).
+#: H100, at DeepSeek-V3 sizes, every shape tried gave the same bits; with one program per row,
+#: 64 heads with 8 warps and 2 stages were the fastest for 64 decode tokens and for a 4096-token
+#: prefill, 16 heads for one decode token: ``results/h100/explorations/mla_launch``).
 MLA_LAUNCH = {"block_h": 64, "small_block_h": 16, "small_programs": 16, "num_warps": 8, "num_stages": 2,
               "parallel_below": 132}
 
