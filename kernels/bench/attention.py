@@ -132,7 +132,8 @@ def _plan(q, seq_lens, query_start_loc, **kw):
 def decode_tiles(quick: bool, configs=None) -> tuple:
     """For each schedule of ``configs`` (:data:`DECODE_TILE_CONFIGS`): property (d), prefill ==
     decode at every position of an 8229-token prompt (2085 with ``quick``; bf16, production
-    heads), then the decode and prefill timings of :func:`tune`.  A schedule is worth shipping only if (d) holds on the GPU."""
+    heads), then the decode and prefill timings of :func:`tune`.  A schedule is worth shipping
+    only if (d) holds on the GPU."""
     configs = DECODE_TILE_CONFIGS if configs is None else configs
     dtype = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(4)
