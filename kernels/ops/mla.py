@@ -503,8 +503,8 @@ def _head_mm_kernel(x_ptr, w_ptr, o_ptr, T, K, N, s_xt, s_xh, s_wh, s_wk, s_ot, 
                     other=0.0)
         b = tl.load(w_ptr + h.to(tl.int64) * s_wh + k[:, None] * s_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)
-        if PARTIAL:
-            acc = acc + dot_acc(a, b, tl.zeros((BLOCK_T, BLOCK_N), tl.float32), UPCAST)
+        if PARTIAL:  # an FMA by one, not an add: Triton would fold ``acc + dot(a, b, 0)`` into the dot
+            acc = tl.fma(dot_acc(a, b, tl.zeros((BLOCK_T, BLOCK_N), tl.float32), UPCAST), 1.0, acc)
         else:
             acc = dot_acc(a, b, acc, UPCAST)
     tl.store(o_ptr + t.to(tl.int64)[:, None] * s_ot + h * s_oh + n[None, :], from_f32(acc, o_ptr.dtype.element_ty),
