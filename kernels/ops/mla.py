@@ -398,10 +398,11 @@ def _positions(lens, qsl) -> list:
     return [p for s, n in enumerate(lens) for p in range(n - (qsl[s + 1] - qsl[s]), n)]
 
 
-def _token_meta(lens, qsl, dev):
+def _token_meta(lens, qsl, pos, dev):
+    """Per query token of a step (``pos``: their positions, :func:`_positions`): its sequence and
+    its position, int32 on ``dev``."""
     seq = [s for s in range(len(lens)) for _ in range(qsl[s + 1] - qsl[s])]
-    return (torch.tensor(seq, dtype=torch.int32, device=dev),
-            torch.tensor(_positions(lens, qsl), dtype=torch.int32, device=dev))
+    return (torch.tensor(seq, dtype=torch.int32, device=dev), torch.tensor(pos, dtype=torch.int32, device=dev))
 
 
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -426,14 +427,15 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     cfg = A.resolve_config(config)
     splits = mla_split_sizes(lens, qsl, impl=impl, config=cfg)
     dev = q.device
-    tok_seq, tok_pos = _token_meta(lens, qsl, dev)
+    pos = _positions(lens, qsl)
+    tok_seq, tok_pos = _token_meta(lens, qsl, pos, dev)
     tok_split = torch.tensor(splits, dtype=torch.int32, device=dev)
     rope = cache.shape[2] - kv_lora_rank
     block_h = mla_block_h(T, H)
     bn = cfg.block_n
     l_pad = max(16, triton.next_power_of_2(kv_lora_rank))
     hb = triton.cdiv(H, block_h)
-    max_splits = max((p // sp + 1 for p, sp in zip(_positions(lens, qsl), splits)), default=1)
+    max_splits = max((p // sp + 1 for p, sp in zip(pos, splits)), default=1)
     parallel = T * hb < MLA_LAUNCH["parallel_below"] and max_splits > 1
     if parallel:  # a step of few tokens: one program per split, then the merge
         ws_acc = torch.empty((T * H * max_splits, l_pad), dtype=torch.float32, device=dev)
