@@ -82,6 +82,18 @@ def test_moe_from_logits_compiled_equals_eager_and_fused_moe():
     assert bitwise_equal(K.moe_from_logits(xm, logits, gu, down, 2, True), K.fused_moe(xm, router, gu, down, 2))
 
 
+def test_moe_grouped_from_logits_compiled_equals_eager():
+    """DeepSeek-V3's routed experts in vLLM's call form (router logits and correction bias given)
+    under torch.compile: the eager bits."""
+    E, H, I = 8, 64, 32
+    xm = _x((11, H), 15)
+    router, gu, down = _x((E, H), 16), _x((E, 2 * I, H), 17), _x((E, H, I), 18)
+    bias = 0.1 * _x((E,), 19).float()
+    logits = OPS.linear(xm, router)
+    _compiled_equals_eager(lambda x, lg: OPS.moe_grouped_from_logits(x, lg, bias, gu, down, 4, 2, 3, True, 2.5),
+                           xm, logits)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_cpu_ops_compiled_equal_eager_and_count_every_call(backend):
     """The CPU replacements of the vLLM plugin (plain torch on CPU tensors) in one compiled

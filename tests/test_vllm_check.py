@@ -408,6 +408,56 @@ def test_kit_moe_from_logits_matches_fused_moe():
     assert torch.equal(out, MOE.fused_moe(x, router, w13, w2, k, renormalize=True, impl="invariant"))
 
 
+def _moe_layer(g, E, H, inter, **routing):
+    """A stand-in for vLLM's routed-experts layer: the attributes the kit's MoE method reads."""
+    from types import SimpleNamespace
+
+    base = dict(use_grouped_topk=False, scoring_func="softmax", e_score_correction_bias=None,
+                routed_scaling_factor=1.0, custom_routing_function=None, expert_map=None,
+                apply_router_weight_on_input=False, top_k=2, renormalize=True)
+    return SimpleNamespace(**{**base, **routing},
+                           w13_weight=(torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5).to(DEVICE),
+                           w2_weight=(torch.randn(E, H, inter, generator=g) * inter ** -0.5).to(DEVICE))
+
+
+def test_kit_moe_for_layer_routes_deepseek_layers_and_refuses_other_routing():
+    """vLLM's DeepSeek-V3 MoE layer (grouped sigmoid routing, correction bias, scaling factor) runs
+    the kit's grouped routing and experts: the bits of the kit's DeepSeek MoE layer with zero
+    shared experts, and the same bits for a token alone as in its batch; a softmax layer runs the
+    plain MoE; routing the kit has no kernel for is refused, naming what the layer asked for."""
+    from batch_invariance_kit.ops import routing as RT
+
+    g = torch.Generator().manual_seed(2)
+    T, H, E, inter = 9, 32, 8, 16
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    router = (torch.randn(E, H, generator=g) * H ** -0.5).to(DEVICE)
+    bias = (0.1 * torch.randn(E, generator=g)).to(DEVICE)
+    layer = _moe_layer(g, E, H, inter, use_grouped_topk=True, scoring_func="sigmoid", e_score_correction_bias=bias,
+                       num_expert_group=4, topk_group=2, top_k=3, routed_scaling_factor=2.5)
+    logits = MM.linear(x, router, impl="invariant")
+    n0 = OPS.CALLS["moe"]
+    out = P.kit_moe_for_layer(layer, x, logits)
+    assert OPS.CALLS["moe"] == n0 + 1
+    cfg = RT.RoutingConfig(E, 4, 2, 3, routed_scaling_factor=2.5)
+    zeros_up, zeros_down = torch.zeros(2 * inter, H, device=DEVICE), torch.zeros(H, inter, device=DEVICE)
+    want = RT.deepseek_moe(x, router, bias, layer.w13_weight, layer.w2_weight, zeros_up, zeros_down, cfg)
+    assert torch.equal(out, want)
+    assert torch.equal(P.kit_moe_for_layer(layer, x[4:5], logits[4:5]), out[4:5])
+
+    plain = _moe_layer(g, E, H, inter)
+    assert torch.equal(P.kit_moe_for_layer(plain, x, logits),
+                       MOE.fused_moe(x, router, plain.w13_weight, plain.w2_weight, 2, renormalize=True,
+                                     impl="invariant"))
+    for routing, named in ((dict(use_grouped_topk=True, num_expert_group=4, topk_group=2), "scoring_func!=sigmoid"),
+                           (dict(use_grouped_topk=True, scoring_func="sigmoid", num_expert_group=4, topk_group=2),
+                            "without e_score_correction_bias"),
+                           (dict(e_score_correction_bias=bias), "e_score_correction_bias"),
+                           (dict(routed_scaling_factor=2.0), "routed_scaling_factor!=1"),
+                           (dict(custom_routing_function=len), "custom_routing_function")):
+        with pytest.raises(NotImplementedError, match=named):
+            P.kit_moe_for_layer(_moe_layer(g, E, H, inter, **routing), x, logits)
+
+
 def test_driver_retries_moe_kit_without_the_moe_swap(tmp_path):
     clock = FakeClock()
     envs = []

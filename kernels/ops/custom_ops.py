@@ -17,6 +17,7 @@ op                          kit function
 ``write_kv``                :func:`.attention.write_kv` (mutates the paged caches)
 ``attention``               :func:`.attention.attention`
 ``moe_from_logits``         the MoE of :mod:`.moe` from given router logits (vLLM computes them)
+``moe_grouped_from_logits`` the same experts routed by DeepSeek-V3's grouped sigmoid routing (:func:`.routing.route`)
 ``cpu_linear``              :func:`.fixed_shape.tiled_linear` (vLLM's CPU build)
 ``cpu_rms_norm``            :func:`.fixed_shape.rms_norm_fixed_tree` (vLLM's CPU build)
 ``cpu_fused_add_rms_norm``  :func:`.fixed_shape.rms_norm_fixed_tree` with a residual (returns both)
@@ -45,11 +46,12 @@ from . import fixed_shape as FS
 from . import matmul as MM
 from . import moe as MOE
 from . import rms_norm as RN
+from . import routing as RT
 
 NAMESPACE = "batch_invariance_kit"
 
 __all__ = ["NAMESPACE", "CALLS", "ON_CALL", "rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "linear",
-           "fused_moe", "moe_from_logits", "write_kv", "attention", "cpu_linear", "cpu_rms_norm",
+           "fused_moe", "moe_from_logits", "moe_grouped_from_logits", "write_kv", "attention", "cpu_linear", "cpu_rms_norm",
            "cpu_fused_add_rms_norm", "cpu_moe_experts"]
 
 #: Calls of the ops' implementations, by the vLLM op each stands for.
@@ -157,9 +159,21 @@ def moe_from_logits(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Ten
     ``(E, H, I)``.  No host sync (the dispatch is not validated on the host): CUDA-graph safe."""
     _called("moe")
     x = x.contiguous()
-    T, E = x.shape[0], w13.shape[0]
     weights, ids = MOE.route(router_logits.contiguous(), top_k, scoring="softmax", renormalize=renormalize,
                              impl="invariant")
+    return _routed_experts(x, w13, w2, weights, ids)
+
+
+@moe_from_logits.register_fake
+def _(x, router_logits, w13, w2, top_k, renormalize):
+    return torch.empty_like(x)
+
+
+def _routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """The experts of a routed batch (``weights`` fp32, ``ids`` int32, both ``(T, top_k)``):
+    ``dispatch``, gate/up + SiLU-and-mul, down, ``combine``, all invariant, without host syncs."""
+    T, E, top_k = x.shape[0], w13.shape[0], ids.shape[1]
     cfg = MOE.select_config(T, top_k, E, x.dtype, "invariant")
     disp = MOE.dispatch(ids, E, cfg.block_m, validate=False)
     h = MOE.grouped_gemm(x, w13, disp, activation="silu_mul", gather_tokens=True, impl="invariant", config=cfg)
@@ -167,8 +181,25 @@ def moe_from_logits(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Ten
     return MOE.combine(y, weights)
 
 
-@moe_from_logits.register_fake
-def _(x, router_logits, w13, w2, top_k, renormalize):
+@custom_op(f"{NAMESPACE}::moe_grouped_from_logits", mutates_args=())
+def moe_grouped_from_logits(x: torch.Tensor, router_logits: torch.Tensor, bias: torch.Tensor, w13: torch.Tensor,
+                            w2: torch.Tensor, n_group: int, topk_group: int, top_k: int, renormalize: bool,
+                            routed_scaling_factor: float) -> torch.Tensor:
+    """The routed experts of a DeepSeek-V3 MoE layer from given router logits: grouped sigmoid
+    routing with the correction ``bias`` (:func:`.routing.route`: ``n_group`` groups, the best
+    ``topk_group`` of them by the sum of their top two biased scores, ``top_k`` experts among
+    those, weights from the unbiased scores, renormalised if asked, times
+    ``routed_scaling_factor``), then the experts as :func:`moe_from_logits` runs them.  The shared
+    experts are not part of it (vLLM runs them as their own MLP and adds them)."""
+    _called("moe")
+    cfg = RT.RoutingConfig(w13.shape[0], int(n_group), int(topk_group), int(top_k),
+                           routed_scaling_factor=float(routed_scaling_factor), renormalize=bool(renormalize))
+    weights, ids = RT.route(router_logits.contiguous(), bias, cfg, impl="invariant")
+    return _routed_experts(x.contiguous(), w13, w2, weights, ids)
+
+
+@moe_grouped_from_logits.register_fake
+def _(x, router_logits, bias, w13, w2, n_group, topk_group, top_k, renormalize, routed_scaling_factor):
     return torch.empty_like(x)
 
 

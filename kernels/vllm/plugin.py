@@ -380,6 +380,44 @@ def kit_moe_from_logits(x: torch.Tensor, router_logits: torch.Tensor, w13: torch
     return OPS.moe_from_logits(x, router_logits, w13, w2, int(top_k), bool(renormalize))
 
 
+def kit_moe_for_layer(layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    """The kit's MoE for one of vLLM's unquantized MoE layers (its routed experts; vLLM runs the
+    shared experts, if any, and adds them): softmax top-k routing
+    (:func:`kit_moe_from_logits`), or DeepSeek-V3's grouped sigmoid routing with a correction bias
+    (``use_grouped_topk``, ``scoring_func="sigmoid"``, ``e_score_correction_bias``;
+    :func:`batch_invariance_kit.ops.custom_ops.moe_grouped_from_logits`).  A layer that asks for
+    anything else (a custom routing function, an expert map, weights applied on the input,
+    softmax groups, a bias or a scaling factor without groups) is refused by a
+    ``NotImplementedError`` naming what it asked for."""
+    from ..ops import custom_ops as OPS
+
+    grouped = bool(getattr(layer, "use_grouped_topk", False))
+    scoring = getattr(layer, "scoring_func", "softmax")
+    bias = getattr(layer, "e_score_correction_bias", None)
+    scale = float(getattr(layer, "routed_scaling_factor", 1.0) or 1.0)
+    unsupported = {
+        "custom_routing_function": getattr(layer, "custom_routing_function", None) is not None,
+        "expert_map": getattr(layer, "expert_map", None) is not None,
+        "apply_router_weight_on_input": bool(getattr(layer, "apply_router_weight_on_input", False)),
+    }
+    if grouped:  # only DeepSeek-V3's form (noaux_tc): sigmoid scores and a correction bias
+        unsupported["use_grouped_topk with scoring_func!=sigmoid"] = scoring != "sigmoid"
+        unsupported["use_grouped_topk without e_score_correction_bias"] = bias is None
+    else:
+        unsupported["e_score_correction_bias"] = bias is not None
+        unsupported["scoring_func!=softmax"] = scoring != "softmax"
+        unsupported["routed_scaling_factor!=1"] = scale != 1.0
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise NotImplementedError(f"the kit's MoE does not support {bad}")
+    if grouped:
+        return OPS.moe_grouped_from_logits(x, router_logits, bias, layer.w13_weight, layer.w2_weight,
+                                           int(layer.num_expert_group), int(layer.topk_group), int(layer.top_k),
+                                           bool(layer.renormalize), scale)
+    return kit_moe_from_logits(x, router_logits, layer.w13_weight, layer.w2_weight, int(layer.top_k),
+                               bool(layer.renormalize))
+
+
 def _register_cuda() -> None:
     """``RMSNorm`` and the unquantized MoE method on the kit's Triton kernels (vLLM 0.26 API:
     a method that says it is *monolithic* gets ``apply_monolithic(layer, x, router_logits)``)."""
@@ -497,23 +535,11 @@ def _register_cuda_moe() -> None:
             return True
 
         def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-            unsupported = {
-                "use_grouped_topk": bool(getattr(layer, "use_grouped_topk", False)),
-                "custom_routing_function": getattr(layer, "custom_routing_function", None) is not None,
-                "expert_map": getattr(layer, "expert_map", None) is not None,
-                "e_score_correction_bias": getattr(layer, "e_score_correction_bias", None) is not None,
-                "apply_router_weight_on_input": bool(getattr(layer, "apply_router_weight_on_input", False)),
-                "scoring_func!=softmax": getattr(layer, "scoring_func", "softmax") != "softmax",
-                "routed_scaling_factor!=1": float(getattr(layer, "routed_scaling_factor", 1.0) or 1.0) != 1.0,
-            }
-            bad = [k for k, v in unsupported.items() if v]
-            if bad:
-                raise NotImplementedError(f"the kit's MoE does not support {bad}")
-            return kit_moe_from_logits(x, router_logits, layer.w13_weight, layer.w2_weight,
-                                       int(layer.top_k), bool(layer.renormalize))
+            return kit_moe_for_layer(layer, x, router_logits)
 
     CustomOp.register_oot(KitMoEMethod, name="UnquantizedFusedMoEMethod")
-    REPLACEMENTS["moe"] = "KitMoEMethod: batch_invariance_kit.ops.moe route/dispatch/grouped_gemm/combine"
+    REPLACEMENTS["moe"] = ("KitMoEMethod: batch_invariance_kit.ops.moe route/dispatch/grouped_gemm/combine; "
+                           "DeepSeek-V3 grouped sigmoid routing by batch_invariance_kit.ops.routing.route")
 
 
 # ---------------------------------------------------------------------------------------------
