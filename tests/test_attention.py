@@ -135,7 +135,7 @@ def test_config_is_the_shipped_schedule():
     for kw, match in ((dict(decode_block_m=24), "decode_block_m"), (dict(block_n=512, split_size=512), "block_n"),
                       (dict(serial_decode_stages=0), "serial_decode_stages"), (dict(num_warps=0), "num_warps"),
                       (dict(serial_programs=0), "serial_programs"), (dict(split_target=0), "split_target"),
-                      (dict(split_size=48), "split_size"), (dict(splits_per_program=0), "splits_per_program")):
+                      (dict(split_size=48), "split_size")):
         with pytest.raises(ValueError, match=match):
             A.AttnConfig(**kw)
     with pytest.raises(ValueError, match="pos"):
@@ -241,19 +241,6 @@ def test_serial_and_parallel_launches_give_the_same_bits():
             assert (plan.tiles.serial, plan.decode.serial) == modes, (sp, plan.tiles.serial, plan.decode.serial)
             assert plan.merge.tokens.numel() == (0 if modes[0] else qsl[-1] - qsl[-2]) + (0 if modes[1] else len(LENS))
             assert bitwise_equal(torch.cat(c.run(steps, config=cfg)), want), (kw, sp)
-
-
-def test_splits_per_program_give_the_same_bits():
-    """``splits_per_program``: a parallel launch whose programs build and store several splits
-    each (in turn, each from scratch) gives the bits of one program per split and of the serial
-    launch, for decode rows over 1..7 splits and a prefill chunk; a split group past a row's
-    last split stores nothing."""
-    c = Cache(torch.bfloat16, seed=9)
-    steps = _mixed_steps(c, 13, torch.bfloat16)
-    serial = torch.cat(c.run(steps, config=dataclasses.replace(CFG, serial_programs=1)))
-    for spp in (1, 2, 3, 8):
-        cfg = dataclasses.replace(CFG, serial_programs=None, splits_per_program=spp)
-        assert bitwise_equal(torch.cat(c.run(steps, config=cfg)), serial), spp
 
 
 def test_merge_load_schedule_gives_the_same_bits(monkeypatch):

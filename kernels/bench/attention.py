@@ -115,13 +115,11 @@ def _decode_positions_differing(c, q, pre, n, config=None) -> list:
     return (bits(dec) != bits(pre)).flatten(1).any(1).nonzero().flatten().tolist()
 
 
-#: Schedules compared by :func:`decode_tiles`: the shipped default, 128-key tiles with
-#: 128-row, 8-warp prefill programs (another reduction order: another fixed schedule), and the
-#: default with four splits per parallel program (work only: the default's bits).
+#: Schedules compared by :func:`decode_tiles`: the shipped default and 128-key tiles with
+#: 128-row, 8-warp prefill programs (another reduction order: another fixed schedule).
 DECODE_TILE_CONFIGS = [
     A.AttnConfig(),
     A.AttnConfig(block_n=128, block_m=128, num_warps=8),
-    A.AttnConfig(splits_per_program=4),
 ]
 
 

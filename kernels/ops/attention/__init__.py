@@ -76,8 +76,7 @@ runs: chunk boundaries, prefix-cache hits and verify steps may fall anywhere.
 Launches: parallel or serial
 ----------------------------
 Who computes what is a launch decision that never changes the bits.  A launch with fewer than
-``serial_programs`` (query tile, kv head) programs runs one program per split (or per
-``splits_per_program`` consecutive splits, each built from scratch), writes the fp32
+``serial_programs`` (query tile, kv head) programs runs one program per split, writes the fp32
 states to a workspace, and a second kernel (one program per token, q head and block of
 :data:`MERGE_COLUMNS` output columns) folds them; a larger launch runs *serially*: one program
 per (query tile, kv head) builds each split's state in turn inside one loop over the row's

@@ -369,11 +369,9 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
                        QPK: tl.constexpr, QPK_PAD: tl.constexpr, Q_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_PAD: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
-                       WIDE: tl.constexpr, LCOLS: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr,
-                       SPP: tl.constexpr):
-    """Parallel (``SERIAL`` false): program (query tile, kv head, split group) writes the fp32
-    states (acc, m, l) of ``SPP`` consecutive splits, each built from scratch, for the tile's
-    valid rows; the merge kernel folds them.  Serial: program
+                       WIDE: tl.constexpr, LCOLS: tl.constexpr, NEW: tl.constexpr, TMA: tl.constexpr):
+    """Parallel (``SERIAL`` false): program (query tile, kv head, split) writes the split's fp32
+    state (acc, m, l) for the tile's valid rows; the merge kernel folds them.  Serial: program
     (query tile, kv head) computes the states of all the row's splits in order, folds each into
     the running state (empty at first) with the merge kernel's left fold (``_fold``) and writes
     ``acc / l``: the same operations in the same order, so the same bits, without the workspace or the merge
@@ -444,21 +442,19 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, tile_seq_ptr, tile_tok_ptr
         o_ptr = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
         tl.store(o_ptr, from_f32(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
+        t_lo = split * split_tiles
+        t_hi = tl.minimum(t_lo + split_tiles, n_tiles)
+        m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs, d,
+                                 d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt,
+                                 kd, vd, row0, col0, t_new, Q_TILE * QPK_PAD, D_PAD,
+                                 BLOCK_N, CACHE_BLOCK, UPCAST, WIDE, LCOLS, HEAD_DIM == D_PAD, NEW, TMA)
+        keep = row_ok & ((rows * 0 + t_lo) < t_hi)
         # the workspace holds the states of the launch's parallel tokens only (tok_ws: a token's rank)
         w0 = (tl.load(tok_ws_ptr + tok, mask=row_ok, other=0).to(tl.int64) * q_heads + head) * max_splits
-        for j in tl.static_range(SPP):  # this program's splits, each built from scratch and stored
-            sp = split * SPP + j
-            t_lo = sp * split_tiles
-            t_hi = tl.minimum(t_lo + split_tiles, n_tiles)
-            m, l, acc = _split_state(q, kc_ptr, vc_ptr, bt_row, t_lo, t_hi, n_tiles, key_stop, kv_off, s_cb, s_cs,
-                                     d, d_ok, limit, scale, kn_row, vn_row, s_knt, s_vnt,
-                                     kd, vd, row0, col0, t_new, Q_TILE * QPK_PAD, D_PAD,
-                                     BLOCK_N, CACHE_BLOCK, UPCAST, WIDE, LCOLS, HEAD_DIM == D_PAD, NEW, TMA)
-            keep = row_ok & ((rows * 0 + t_lo) < t_hi)  # a split past the row's last stores nothing
-            w = w0 + sp
-            tl.store(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
-            tl.store(ws_ml_ptr + w * 2, m, mask=keep)
-            tl.store(ws_ml_ptr + w * 2 + 1, _l_row(l, LCOLS), mask=keep)
+        w = w0 + split
+        tl.store(ws_acc_ptr + w[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
+        tl.store(ws_ml_ptr + w * 2, m, mask=keep)
+        tl.store(ws_ml_ptr + w * 2 + 1, _l_row(l, LCOLS), mask=keep)
 
 
 @triton.jit(do_not_specialize=["max_splits", "q_heads"])

@@ -100,8 +100,7 @@ def launch(plan, q, k_cache, v_cache, block_table, scale, out, *, merge: bool = 
         new = key is not None and g is plan.tiles
         kn, vn, qsl = (key, value, query_start_loc) if new else (q, q, g.seq)
         kd, vd = descs if new and descs is not None else (kn, vn)
-        spp = plan.config.splits_per_program
-        _attn_split_kernel[(g.seq.shape[0], hkv, 1 if g.serial else -(-mp.max_splits // spp))](
+        _attn_split_kernel[(g.seq.shape[0], hkv, 1 if g.serial else mp.max_splits)](
             q, k_cache, v_cache, block_table, g.seq, g.tok, g.rows, g.pos, g.split, mp.rank,
             mp.acc, mp.ml, out, scale if INTERPRET else scale * LOG2E, mp.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
@@ -110,7 +109,7 @@ def launch(plan, q, k_cache, v_cache, block_table, scale, out, *, merge: bool = 
             QPK=hq // hkv, QPK_PAD=plan.qpk_pad, Q_TILE=g.q_tile, BLOCK_N=plan.config.block_n, CACHE_BLOCK=bs,
             HEAD_DIM=d, D_PAD=d_pad, SERIAL=g.serial, PDL=pdl, UPCAST=INTERPRET, WIDE=g is plan.tiles,
             LCOLS=0 if INTERPRET or q.dtype == torch.float32 or g is plan.tiles else ROW_SUM_COLUMNS, NEW=new,
-            TMA=new and descs is not None, SPP=1 if g.serial else spp,
+            TMA=new and descs is not None,
             num_warps=g.num_warps, num_stages=g.num_stages)
     if merging:
         d_blk = min(d_pad, MERGE_COLUMNS)

@@ -68,9 +68,6 @@ class AttnConfig:
     #: warps / pipeline stages of a serial decode-tile launch.  Work only.
     serial_decode_warps: int = 2
     serial_decode_stages: int = 3
-    #: splits per program of a parallel launch (each built from scratch and stored in turn:
-    #: fewer, longer programs where splits are short).  Work only.
-    splits_per_program: int = 1
 
     def __post_init__(self):
         for name in ("block_n", "block_m") + (("decode_block_m",) if self.decode_block_m is not None else ()):
@@ -79,7 +76,7 @@ class AttnConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
         if self.block_n > 256:
             raise ValueError(f"block_n must be at most 256 (the row sum's pairwise tree), got {self.block_n}")
-        for name in ("num_warps", "num_stages", "serial_decode_warps", "serial_decode_stages", "splits_per_program"):
+        for name in ("num_warps", "num_stages", "serial_decode_warps", "serial_decode_stages"):
             checks.positive_int(name, getattr(self, name))
         for name in ("split_target", "serial_programs"):  # None: off
             if getattr(self, name) is not None:
