@@ -265,7 +265,7 @@ def test_launch_shape_moves_work_only(monkeypatch):
 
 def test_parallel_splits_and_merge_give_the_serial_bits(monkeypatch):
     """A step of few tokens runs one program per split plus a merge launch, a larger one folds
-    each row's splits in one program (``MLA_LAUNCH["parallel_below"]``): the same operations in
+    each row's splits in one program (``MLA_LAUNCH["parallel_below_per_sm"]``): the same operations in
     the same order, so the same bits, for decode rows across tiles and splits and a prefill chunk."""
     c = _cache(seed=12, num_blocks=N // BS + 2)
     lat, kpe, _, _ = _seq(5, 0, N)
@@ -278,7 +278,7 @@ def test_parallel_splits_and_merge_give_the_serial_bits(monkeypatch):
     qq, bt, lens, qsl = c.args(steps)
     outs = {}
     for name, below in (("serial", 0), ("parallel", 10 ** 9)):
-        monkeypatch.setitem(M.MLA_LAUNCH, "parallel_below", below)
+        monkeypatch.setitem(M.MLA_LAUNCH, "parallel_below_per_sm", below)
         outs[name] = M.mla_attention(qq, c.cache, bt, lens, qsl, kv_lora_rank=LORA, scale=0.2)
     assert bitwise_equal(outs["serial"], outs["parallel"])
     ref = M.mla_attention(qq, c.cache, bt, lens, qsl, kv_lora_rank=LORA, scale=0.2, impl="reference")

@@ -1,6 +1,7 @@
-"""MLA on a GPU: the kit's absorbed kernel (decode and prefill) beside an SDPA formulation of the
-same absorbed math (the peer when neither vLLM's Triton MLA decode kernel nor FlashMLA is
-imported), at DeepSeek-V3 sizes (128 heads, latent 512, rope 64).  Rows in the results shape
+"""MLA on a GPU: the kit's absorbed kernel (decode and prefill) and its split-KV variant beside an
+SDPA formulation of the same absorbed math (one call per sequence), at DeepSeek-V3 sizes (128
+heads, latent 512, rope 64).  The SDPA rows are a correctness-level peer, not a fast MLA kernel:
+vLLM's MLA backends (its Triton MLA decode, FlashMLA) are not timed here.  Rows in the results shape
 ``{"op", "impl", <shape keys>, "median_us", "p25_us", "p75_us", ...}``.
 
     python -m batch_invariance_kit.bench.mla [--out DIR]     # on a GPU: mla_bench.json

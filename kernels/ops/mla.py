@@ -64,7 +64,7 @@ import triton.language as tl  # noqa: E402
 
 from .tl_numerics import dot_acc, from_f32, to_f32  # noqa: E402
 
-__all__ = ["IMPLS", "MLA_LAUNCH", "mla_block_h", "MLAShape", "new_latent_cache", "write_latent", "LatentCache",
+__all__ = ["IMPLS", "MLA_LAUNCH", "mla_block_h", "mla_parallel", "MLAShape", "new_latent_cache", "write_latent", "LatentCache",
            "mla_split_sizes", "mla_attention", "reference_mla_attention", "head_matmul", "mla", "reference_mla"]
 
 #: ``invariant``: the absorbed form for every step, splits by position; ``variant``: the
@@ -76,14 +76,22 @@ IMPLS = ("invariant", "variant", "two_forms", "reference")
 
 #: The absorbed kernel's launch: heads per program (the rows of its tiles; ``small_block_h``
 #: where ``block_h`` would give fewer than ``small_programs`` programs, a step of a few tokens),
-#: warps and pipeline stages; a step with fewer than ``parallel_below`` (token, head block)
-#: programs runs one program per split plus a merge launch instead of folding each row's
-#: splits in one program.  Work only: a row's arithmetic is its own at any of them (on an
-#: H100, at DeepSeek-V3 sizes, every shape tried gave the same bits; with one program per row,
-#: 64 heads with 8 warps and 2 stages were the fastest for 64 decode tokens and for a 4096-token
-#: prefill, 16 heads for one decode token: ``results/h100/explorations/mla_launch``).
+#: warps and pipeline stages; a step with fewer (token, head block) programs than
+#: ``parallel_below_per_sm`` times the GPU's SMs runs one program per split plus a merge launch
+#: instead of folding each row's splits in one program.  Work only: a row's arithmetic is its own
+#: at any of them (on an H100, at DeepSeek-V3 sizes, every shape tried gave the same bits; with
+#: one program per row, 64 heads with 8 warps and 2 stages were the fastest for 64 decode tokens
+#: and for a 4096-token prefill, 16 heads for one decode token; one program per split was 2.2x
+#: faster for 8 decode tokens over 4096 keys (16 programs on 132 SMs) and 1.6x slower for 64
+#: (128 programs): ``results/h100/explorations/mla_launch``).
 MLA_LAUNCH = {"block_h": 64, "small_block_h": 16, "small_programs": 16, "num_warps": 8, "num_stages": 2,
-              "parallel_below": 132}
+              "parallel_below_per_sm": 0.5}
+
+
+def mla_parallel(programs: int, max_splits: int) -> bool:
+    """Whether a step of ``programs`` (token, head block) programs runs one program per split
+    (:data:`MLA_LAUNCH`; SMs: the current GPU's, 8 under the interpreter, as attention's plans)."""
+    return max_splits > 1 and programs < MLA_LAUNCH["parallel_below_per_sm"] * A.num_sms()
 
 
 def mla_block_h(num_tokens: int, heads: int) -> int:
@@ -436,7 +444,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     l_pad = max(16, triton.next_power_of_2(kv_lora_rank))
     hb = triton.cdiv(H, block_h)
     max_splits = max((p // sp + 1 for p, sp in zip(pos, splits)), default=1)
-    parallel = T * hb < MLA_LAUNCH["parallel_below"] and max_splits > 1
+    parallel = mla_parallel(T * hb, max_splits)
     if parallel:  # a step of few tokens: one program per split, then the merge
         ws_acc = torch.empty((T * H * max_splits, l_pad), dtype=torch.float32, device=dev)
         ws_ml = torch.empty((T * H * max_splits, 2), dtype=torch.float32, device=dev)
