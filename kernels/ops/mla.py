@@ -78,14 +78,15 @@ IMPLS = ("invariant", "variant", "two_forms", "reference")
 #: where ``block_h`` would give fewer than ``small_programs`` programs, a step of a few tokens),
 #: warps and pipeline stages; a step with fewer (token, head block) programs than
 #: ``parallel_below_per_sm`` times the GPU's SMs runs one program per split plus a merge launch
-#: instead of folding each row's splits in one program.  Work only: a row's arithmetic is its own
+#: instead of folding each row's splits in one program (``merge_block_h`` heads and
+#: ``merge_warps`` warps per merge program).  Work only: a row's arithmetic is its own
 #: at any of them (on an H100, at DeepSeek-V3 sizes, every shape tried gave the same bits; with
 #: one program per row, 64 heads with 8 warps and 2 stages were the fastest for 64 decode tokens
 #: and for a 4096-token prefill, 16 heads for one decode token; one program per split was 2.2x
 #: faster for 8 decode tokens over 4096 keys (16 programs on 132 SMs) and 1.6x slower for 64
-#: (128 programs): ``results/h100/explorations/mla_launch``).
+#: (128 programs): ``results/h100/explorations/mla_launch`` and ``results/h100/mla_bench.json``).
 MLA_LAUNCH = {"block_h": 64, "small_block_h": 16, "small_programs": 16, "num_warps": 8, "num_stages": 2,
-              "parallel_below_per_sm": 0.5}
+              "parallel_below_per_sm": 0.5, "merge_block_h": 16, "merge_warps": 4}
 
 
 def mla_parallel(programs: int, max_splits: int) -> bool:
@@ -457,10 +458,11 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=bn, LOG2_N=bn.bit_length() - 1,
         CACHE_BLOCK=cache.shape[1], UPCAST=INTERPRET, PARALLEL=parallel, num_warps=MLA_LAUNCH["num_warps"],
         num_stages=MLA_LAUNCH["num_stages"])
-    if parallel:  # 16 heads per merge program (a fold is element-wise: any grouping, the same bits)
-        _mla_merge_kernel[(T, triton.cdiv(H, 16))](ws_acc, ws_ml, tok_pos, tok_split, out, max_splits, H,
+    if parallel:  # merge_block_h heads per program (a fold is element-wise: any grouping, the same bits)
+        mh = MLA_LAUNCH["merge_block_h"]
+        _mla_merge_kernel[(T, triton.cdiv(H, mh))](ws_acc, ws_ml, tok_pos, tok_split, out, max_splits, H,
                                                    out.stride(0), out.stride(1), LORA=kv_lora_rank, L_PAD=l_pad,
-                                                   BLOCK_H=16, num_warps=4)
+                                                   BLOCK_H=mh, num_warps=MLA_LAUNCH["merge_warps"])
     return out
 
 
