@@ -127,7 +127,8 @@ REPLACEMENT_TABLE = (
      "the kit's backend (ops.attention) registered as CUSTOM; without it, vLLM's batch-invariant backend"),
     ("MoE experts (unquantized)",
      "custom op cpu_moe_experts = ops.fixed_shape.moe_experts_tiled (CustomOp.register_oot)",
-     "custom op moe_from_logits = ops.moe route, dispatch, grouped GEMM, combine, Triton (CustomOp.register_oot)"),
+     "custom op moe_from_logits = ops.moe route, dispatch, grouped GEMM, combine, Triton; DeepSeek-V3's grouped "
+     "sigmoid routing: moe_grouped_from_logits = ops.routing.route, then the same experts (CustomOp.register_oot)"),
     ("sampler: log_softmax (argmax, exact in any order, is not replaced)",
      "not replaced: one row at a time on the CPU (vLLM's own mode cannot run on its CPU build)",
      "vLLM's own mode on (VLLM_BATCH_INVARIANT=1, the default): its batch-invariant log_softmax; off "
