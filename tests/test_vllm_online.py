@@ -1,11 +1,13 @@
 """CPU tests of :mod:`batch_invariance_kit.vllm.online`, the online check, without vLLM.
 
-The plan (seeded requests and times), the parsing of the server's answers (log-probabilities kept
+The plan (seeded requests and times, closed-loop clients), the parsing of the server's answers (log-probabilities kept
 as the server's literals), the bitwise comparison, and the whole experiment against a stand-in
 server process (``tests/fake_openai_server.py``): started in its own process group, ready on
 ``/health``, a streamed target and a cancelled neighbour, the checks passing on an invariant
-server and catching a batch-variant one, the group stopped.  The live run on vLLM's CPU build
+server and catching a batch-variant one, every target beside busy clients however late it starts, the
+clients stopping once the targets are done, the group stopped.  The live run on vLLM's CPU build
 is chapter 7's."""
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -69,14 +71,16 @@ def test_plan_is_seeded_and_checked():
     r0, r0b, r1 = p.round(0), O.Plan(targets=[[3, 4, 5], [6, 7]], clients=3, per_client=2, rounds=2, vocab=100,
                                        seed=1).round(0), p.round(1)
     assert r0 == r0b and r0 != r1
-    names = [q.name for q in r0]
-    assert sorted(names) == sorted(["c0.0", "c0.1", "c1.0", "c1.1", "c2.0", "c2.1", "t0", "t1", "stream", "cancel"])
-    assert [q.at for q in r0] == sorted(q.at for q in r0) and all(0 <= q.at <= p.window_s for q in r0)
-    by = {q.name: q for q in r0}
+    assert sorted(q.name for q in r0.requests) == ["cancel", "stream", "t0", "t1"]
+    assert [q.at for q in r0.requests] == sorted(q.at for q in r0.requests)
+    assert len(r0.starts) == 3 and all(0 <= t <= p.window_s / 2 for t in r0.starts)
+    by = {q.name: q for q in r0.requests}
+    assert all(min(r0.starts) <= by[n].at <= 0.9 * p.window_s for n in ("t0", "t1", "stream"))   # beside a client
     assert by["t1"].prompt == (6, 7) and by["t1"].target == 1 and by["stream"].stream and by["stream"].target == 0
     assert by["cancel"].cancel_after == 2 and by["cancel"].target is None
-    assert all(2 <= t < 100 for q in r0 for t in q.prompt)
-    assert p.max_model_len >= max(len(q.prompt) + q.max_tokens for q in r0)
+    sent = list(r0.requests) + [q for c in range(3) for q in itertools.islice(p.client(0, c), 20)]
+    assert all(2 <= t < 100 for q in sent for t in q.prompt)
+    assert p.max_model_len >= max(len(q.prompt) + q.max_tokens for q in sent)
     with pytest.raises(TypeError, match="targets"):
         O.Plan(targets=[])
     with pytest.raises(ValueError, match="clients"):
@@ -84,9 +88,24 @@ def test_plan_is_seeded_and_checked():
     with pytest.raises(ValueError, match="prompt_len"):
         O.Plan(targets=[[1]], prompt_len=(5, 2))
     named = O.Plan(targets=[[3, 4, 5], [6, 7]], names=("target", "needle"), clients=1, per_client=1)
-    assert {q.name for q in named.round(0)} >= {"target", "needle", "stream", "cancel"}
+    assert {q.name for q in named.round(0).requests} == {"target", "needle", "stream", "cancel"}
     with pytest.raises(ValueError, match="names"):
         O.Plan(targets=[[1], [2]], names=("stream", "x"))
+
+
+def test_a_clients_kth_request_is_seeded():
+    """A client's requests are drawn on demand from its own generator: the k-th is the same for the
+    same seed, round and client however many are drawn, whatever the other clients do."""
+    kw = dict(targets=[[3, 4, 5]], clients=3, per_client=2, rounds=2, vocab=100)
+    p = O.Plan(seed=4, **kw)
+    five = list(itertools.islice(p.client(1, 2), 5))
+    assert [q.name for q in five] == [f"c2.{k}" for k in range(5)]
+    assert all(q.at == p.round(1).starts[2] and q.target is None and not q.stream for q in five)
+    assert list(itertools.islice(O.Plan(seed=4, **kw).client(1, 2), 3)) == five[:3]
+    assert all(p.prompt_len[0] <= len(q.prompt) <= p.prompt_len[1] and p.new_tokens[0] <= q.max_tokens
+               <= p.new_tokens[1] for q in five)
+    others = [next(O.Plan(seed=5, **kw).client(1, 2)), next(p.client(0, 2)), next(p.client(1, 1))]
+    assert all(q.prompt != five[0].prompt for q in others)
 
 
 def test_server_env_and_command():
@@ -139,6 +158,46 @@ def test_experiment_against_a_stand_in_server(tmp_path, variant):
     assert [x.round for x in rows] == [0, 0, 0, "after"] and all(isinstance(x, RC.OnlineRow) for x in rows)
     back = RC.read({"provenance": {}, "rows": [RC.to_dict(x) for x in rows], "checks": []})
     assert back.rows == rows and all(x.compared.bitwise is (not variant) for x in rows[:3])
+
+
+def _late_targets_plan():
+    """Clients whose replies take 20 ms (one token at the stand-in's 0.02 s a token), targets that
+    start more than 0.2 s after every client's first request: open-loop clients, each sending its
+    one request, would be done before any target starts."""
+    plan = O.Plan(targets=[[5, 6, 7], [8, 9]], max_tokens=4, clients=2, per_client=1, rounds=1, prompt_len=(2, 4),
+                  new_tokens=(1, 1), window_s=2.0, top_logprobs=2, vocab=50, seed=4)
+    rnd = plan.round(0)
+    assert all(q.at > max(rnd.starts) + 0.2 for q in rnd.requests if q.target is not None)
+    return plan
+
+
+def test_targets_that_start_late_run_beside_busy_clients(tmp_path):
+    plan = _late_targets_plan()
+    with _fake(tmp_path) as srv:
+        srv.wait_ready(30)
+        res = O.experiment(srv.base_url, plan, timeout_s=30, healthy=srv.healthy)
+    loaded = [c for c in res["copies"] if c["round"] == 0]
+    assert sorted(c["name"] for c in loaded) == ["stream", "t0", "t1"]
+    assert all(c["in_flight_beside"] > 0 for c in loaded), loaded
+    assert all(n > plan.per_client for n in res["rounds"][0]["neighbours"]["per_client"])   # kept sending
+
+
+def test_clients_stop_once_the_targets_are_done(tmp_path):
+    plan = _late_targets_plan()
+    reqs = plan.round(0).requests
+    with _fake(tmp_path) as srv:
+        srv.wait_ready(30)
+        sent = O.run_sync(O.run_requests(srv.base_url, "model", reqs, 2, 30,
+                                         tuple(plan.client(0, c) for c in range(plan.clients)), at_least=3))
+    fixed, load = sent[:len(reqs)], sent[len(reqs):]
+    assert [s.name for s in fixed] == [q.name for q in reqs] and not any(s.error for s in sent)
+    done = max(s.end for s in fixed)
+    for c in range(plan.clients):
+        mine = [s for s in load if s.name.startswith(f"c{c}.")]
+        assert [s.name for s in mine] == [f"c{c}.{k}" for k in range(len(mine))] and len(mine) >= 3
+        assert all(a.end <= b.start for a, b in zip(mine, mine[1:]))           # one after another
+        assert sum(s.start > done for s in mine[3:]) <= 1                      # none begun once the targets are done
+        assert mine[-1].end >= done or len(mine) == 3
 
 
 def test_run_sync_inside_a_running_loop():
@@ -208,4 +267,6 @@ def test_kit_server_is_bitwise_under_concurrent_clients(tmp_path):
     assert not res.get("error"), res.get("error")
     cs = O.checks("smollm2", "kit", res, platform="cpu", plugin_calls=(res.get("plugin") or {}).get("calls"))
     assert len(cs) == 5 and all(c["passed"] for c in cs), cs
-    assert res["server"]["exit_code"] is not None and res["rounds"][0]["neighbours"]["sent"] == 9
+    neighbours = res["rounds"][0]["neighbours"]
+    assert res["server"]["exit_code"] is not None and min(neighbours["per_client"]) >= 2
+    assert neighbours["sent"] == sum(neighbours["per_client"]) + 1   # and the cancelled one

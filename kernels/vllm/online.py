@@ -17,10 +17,15 @@ Per mode (:data:`batch_invariance_kit.vllm.records.MODES`, the offline check's; 
    group, SIGKILL after a bounded wait;
 2. **alone**: every target prompt is sent alone (greedy, ``ignore_eos``, ``logprobs=k``: the
    sampled token's raw fp32 log-probability and the top ``k``), one after another;
-3. **under load**, per round: ``clients`` other clients send requests of random lengths (prompt and
-   output) at random times (all drawn from the round's seed), the targets start at random times
-   among them, a **streaming** copy of a target runs beside them, and one neighbour **is cancelled**
-   after its first streamed tokens (the client closes the connection; the server aborts it);
+3. **under load**, per round: ``clients`` other clients, each from its own start time, send
+   requests of random lengths (prompt and output) one after another, the next when the previous
+   reply is complete, until the round's targets are done (closed loop: however fast the server,
+   every target runs while the clients are busy); the targets start at random times after the
+   first client, a **streaming** copy of a target runs beside them, and one neighbour **is
+   cancelled** after its first streamed tokens (the client closes the connection; the server
+   aborts it).  Every time and every request's content is drawn from the seed: the ``k``-th
+   request of a client is the same on every machine, only how many a client sends depends on the
+   server's speed;
 4. **after**: ``/health`` and the first target once more, alone: the server still serves, and
    the same bits.
 
@@ -62,6 +67,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -98,8 +104,10 @@ class Answer:
 @dataclass(frozen=True)
 class Request:
     """One request of a run: ``prompt`` (token ids), ``max_tokens``, sent ``at`` seconds after the
-    run starts; ``stream``: streamed; ``cancel_after``: the client closes the stream after that many
-    chunks with tokens; ``target``: the index of the target it is a copy of (``None``: a neighbour)."""
+    run starts (a client's later requests carry its start time and go as soon as the previous reply
+    is complete); ``stream``: streamed; ``cancel_after``: the client closes the stream after that
+    many chunks with tokens; ``target``: the index of the target it is a copy of (``None``: a
+    neighbour)."""
     name: str
     prompt: tuple
     max_tokens: int
@@ -166,7 +174,8 @@ def compare_answers(ref: Answer, got: Answer) -> Comparison:
 
 
 def overlaps(sent: list, name: str) -> int:
-    """How many other requests of ``sent`` were in flight at some moment of ``name``'s life."""
+    """How many other requests of ``sent`` were in flight at some moment of ``name``'s life (a
+    client's requests one after another count one each)."""
     me = next(s for s in sent if s.name == name)
     return sum(1 for s in sent if s.name != name and s.start < me.end and me.start < s.end)
 
@@ -176,13 +185,26 @@ def overlaps(sent: list, name: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Round:
+    """The schedule of one load round: ``requests``, the targets, the streamed copy and the
+    cancelled neighbour at their times, in time order; ``starts``, the second at which each client
+    sends its first request (its requests: :meth:`Plan.client`)."""
+    requests: tuple
+    starts: tuple
+
+
+@dataclass(frozen=True)
 class Plan:
     """The experiment of one server: ``targets`` (token-id prompts), each answered ``max_tokens``
-    tokens; ``rounds`` load rounds of ``clients`` other clients, each sending ``per_client``
-    requests with prompts of ``prompt_len`` tokens and ``new_tokens`` outputs (inclusive ranges)
-    from ``window_s`` seconds of random start times; ``top_logprobs``: the ``k`` of every
-    request's ``logprobs``; ``vocab``: the neighbours' token ids are drawn below it; ``names``:
-    the targets' request names (default ``t0``, ``t1``, ...)."""
+    tokens; ``rounds`` load rounds of ``clients`` other clients.  A client starts at a random time
+    in the first half of ``window_s`` seconds and sends requests one after another (each when the
+    previous reply is complete) until the round's targets, its streamed copy and its cancelled
+    neighbour are done, at least ``per_client`` of them; their prompts have ``prompt_len`` tokens
+    and their outputs ``new_tokens`` (inclusive ranges).  The targets and the streamed copy start
+    at random times between the first client's start and ``0.9 * window_s``, the cancelled
+    neighbour in the first half.  ``top_logprobs``: the ``k`` of every request's ``logprobs``;
+    ``vocab``: the neighbours' token ids are drawn below it; ``names``: the targets' request names
+    (default ``t0``, ``t1``, ...)."""
     targets: tuple
     max_tokens: int = 16
     clients: int = 8
@@ -218,34 +240,41 @@ class Plan:
 
     @property
     def max_model_len(self) -> int:
-        longest = max([len(t) + self.max_tokens for t in self.targets] + [sum(self.prompt_len[1:]) + self.new_tokens[1]])
+        longest = max([len(t) + self.max_tokens for t in self.targets]
+                      + [self.prompt_len[1] + max(self.new_tokens[1], self.max_tokens)])   # the cancelled one's
         return longest + 16
 
-    def round(self, r: int) -> list:
-        """The requests of load round ``r``: every neighbour, every target once (by its name), a
-        streamed copy of target ``r % len(targets)`` (``stream``) and a cancelled streamed neighbour
-        (``cancel``, cancelled after 2 chunks), at seeded times in ``[0, window_s]``."""
+    def round(self, r: int) -> Round:
+        """The schedule of load round ``r``: every target once (by its name), a streamed copy of
+        target ``r % len(targets)`` (``stream``) and a cancelled streamed neighbour (``cancel``,
+        cancelled after 2 chunks) at seeded times, and the clients' seeded start times."""
         rng = random.Random(self.seed * 1000 + r)
         w = self.window_s
-        reqs = []
-        for c in range(self.clients):
-            at = rng.uniform(0, w / 2)
-            for k in range(self.per_client):
-                n = rng.randint(*self.prompt_len)
-                reqs.append(Request(f"c{c}.{k}", tuple(rng.randrange(2, self.vocab) for _ in range(n)),
-                                    rng.randint(*self.new_tokens), at=round(at, 3)))
-                at += rng.uniform(0, w / (2 * self.per_client))
-        for i, t in enumerate(self.targets):
-            reqs.append(Request(self.names[i], t, self.max_tokens, at=round(rng.uniform(0.1 * w, 0.9 * w), 3),
-                                target=i))
+        starts = tuple(round(rng.uniform(0, w / 2), 3) for _ in range(self.clients))
+        first = min(starts)
+        reqs = [Request(self.names[i], t, self.max_tokens, at=round(rng.uniform(first, 0.9 * w), 3), target=i)
+                for i, t in enumerate(self.targets)]
         s = r % len(self.targets)
-        reqs.append(Request("stream", self.targets[s], self.max_tokens, at=round(rng.uniform(0.1 * w, 0.9 * w), 3),
+        reqs.append(Request("stream", self.targets[s], self.max_tokens, at=round(rng.uniform(first, 0.9 * w), 3),
                             stream=True, target=s))
         n = rng.randint(*self.prompt_len)
         reqs.append(Request("cancel", tuple(rng.randrange(2, self.vocab) for _ in range(n)),
                             max(self.new_tokens[1], self.max_tokens), at=round(rng.uniform(0, 0.5 * w), 3),
                             stream=True, cancel_after=2))
-        return sorted(reqs, key=lambda q: q.at)
+        return Round(tuple(sorted(reqs, key=lambda q: q.at)), starts)
+
+    def client(self, r: int, c: int) -> Iterator[Request]:
+        """The requests of client ``c`` in round ``r``, without end, drawn one at a time from a
+        generator seeded by ``(seed, r, c)``: the ``k``-th (``c{c}.{k}``) is the same however many
+        the client sends.  Each carries the client's start time."""
+        at = self.round(r).starts[c]
+        rng = random.Random(f"client {self.seed} {r} {c}")   # str seeds hash the same on every machine
+        k = 0
+        while True:
+            n = rng.randint(*self.prompt_len)
+            yield Request(f"c{c}.{k}", tuple(rng.randrange(2, self.vocab) for _ in range(n)),
+                          rng.randint(*self.new_tokens), at=at)
+            k += 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,14 +318,39 @@ async def send(client, req: Request, model: str, top_logprobs: int, t0: float) -
     return s
 
 
-async def run_requests(base_url: str, model: str, reqs: list, top_logprobs: int, timeout_s: float) -> list:
-    """Every request of ``reqs`` at its time, concurrently; their :class:`Sent` in ``reqs``' order."""
+async def run_requests(base_url: str, model: str, reqs: list, top_logprobs: int, timeout_s: float,
+                       clients: tuple = (), at_least: int = 0) -> list:
+    """Every request of ``reqs`` at its time, concurrently, beside ``clients`` (each an iterator of
+    requests, :meth:`Plan.client`): a client sends its requests one after another, each when the
+    previous reply is complete, until every request of ``reqs`` is done and it has sent
+    ``at_least``; a client whose request fails stops there (the error is recorded).  Returns the
+    :class:`Sent` of ``reqs`` in their order, then each client's in the order sent."""
     import httpx
 
-    limits = httpx.Limits(max_connections=len(reqs) + 4, max_keepalive_connections=len(reqs) + 4)
+    done = asyncio.Event()
+    n = len(reqs) + len(clients) + 4
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         t0 = time.monotonic()
-        return list(await asyncio.gather(*(send(client, q, model, top_logprobs, t0) for q in reqs)))
+
+        async def fixed():
+            try:
+                return list(await asyncio.gather(*(send(client, q, model, top_logprobs, t0) for q in reqs)))
+            finally:
+                done.set()
+
+        async def closed_loop(queue: Iterator[Request]):
+            out = []
+            for req in queue:
+                if done.is_set() and len(out) >= at_least:
+                    return out
+                out.append(await send(client, req, model, top_logprobs, t0))
+                if out[-1].error:
+                    return out
+            return out
+
+        first, *loads = await asyncio.gather(fixed(), *(closed_loop(q) for q in clients))
+    return first + [s for load in loads for s in load]
 
 
 def run_sync(coro):
@@ -453,8 +507,8 @@ def experiment(base_url: str, plan: Plan, *, timeout_s: float = 600.0, healthy=N
     """The experiment of one running server: the targets alone, ``plan.rounds`` load rounds, the
     first target after them.  ``healthy()``: is the server still serving (default: ``/health``).
     Returns ``alone`` (each target's answer), ``copies`` (every compared copy of a target, the
-    one ``after`` the rounds last), ``rounds`` (per round: its requests, the cancelled neighbour, the
-    neighbours' errors) and ``healthy_after``."""
+    one ``after`` the rounds last), ``rounds`` (per round: how many requests it sent, the cancelled
+    neighbour, the neighbours' requests per client and errors) and ``healthy_after``."""
     import httpx
 
     model = "model"
@@ -464,19 +518,21 @@ def experiment(base_url: str, plan: Plan, *, timeout_s: float = 600.0, healthy=N
     refs = [s.answer for s in alone]
     rounds, copies = [], []
     for r in range(plan.rounds):
-        reqs = plan.round(r)
+        reqs = plan.round(r).requests
+        clients = tuple(plan.client(r, c) for c in range(plan.clients))
         t1 = time.monotonic()
-        sent = run_sync(run_requests(base_url, model, reqs, k, timeout_s))
-        by = {q.name: q for q in reqs}
-        copies += [_copy(refs[by[s.name].target], s, r, overlaps(sent, s.name)) for s in sent
-                   if by[s.name].target is not None]
-        cancel = next(s for s in sent if s.name == "cancel")
-        neighbours = [s for s in sent if by[s.name].target is None]
-        rounds.append({"round": r, "seconds": time.monotonic() - t1, "requests": len(reqs),
+        sent = run_sync(run_requests(base_url, model, reqs, k, timeout_s, clients, at_least=plan.per_client))
+        copies += [_copy(refs[q.target], s, r, overlaps(sent, s.name)) for q, s in zip(reqs, sent)
+                   if q.target is not None]
+        (cancel_req, cancel), = ((q, s) for q, s in zip(reqs, sent) if q.name == "cancel")
+        neighbours = [s for q, s in zip(reqs, sent) if q.target is None] + sent[len(reqs):]
+        per_client = [sum(s.name.startswith(f"c{c}.") for s in neighbours) for c in range(plan.clients)]
+        rounds.append({"round": r, "seconds": time.monotonic() - t1, "requests": len(sent),
                        "cancelled": {"name": cancel.name, "cancelled": cancel.cancelled, "chunks": cancel.chunks,
                                      "tokens": len(cancel.answer.tokens) if cancel.answer else 0,
-                                     "max_tokens": by["cancel"].max_tokens, "error": cancel.error},
-                       "neighbours": {"sent": len(neighbours), "errors": [s.error for s in neighbours if s.error],
+                                     "max_tokens": cancel_req.max_tokens, "error": cancel.error},
+                       "neighbours": {"sent": len(neighbours), "per_client": per_client,
+                                      "errors": [s.error for s in neighbours if s.error],
                                       "cancelled": sum(s.cancelled for s in neighbours)}})
     health = (healthy or (lambda: httpx.get(base_url + "/health", timeout=5).status_code == 200))()
     after = one(base_url, model, Request(plan.names[0], plan.targets[0], plan.max_tokens, target=0), k, timeout_s)
@@ -616,12 +672,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="default,kit", help=f"comma-separated subset of {','.join(RC.MODES)}")
     p.add_argument("--targets", type=int, default=4, help="target prompts (default 4: the target, the needle, 2 more)")
     p.add_argument("--clients", type=int, default=16, help="other clients per round (default 16)")
-    p.add_argument("--per-client", type=int, default=2, help="requests each client sends per round (default 2)")
+    p.add_argument("--per-client", type=int, default=2,
+                   help="requests each client sends per round at least; it goes on until the round's targets are "
+                        "done (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="load rounds (default 2)")
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens per target (default 32)")
     p.add_argument("--max-prompt", type=int, default=400, help="longest neighbour prompt (tokens; default 400)")
     p.add_argument("--max-new", type=int, default=64, help="longest neighbour output (tokens; default 64)")
-    p.add_argument("--window-s", type=float, default=4.0, help="seconds over which a round's requests start")
+    p.add_argument("--window-s", type=float, default=4.0,
+                   help="seconds over which a round's clients and targets start (default 4)")
     p.add_argument("--top-logprobs", type=int, default=5, help="k of logprobs=k (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eager", action="store_true", help="--enforce-eager (default: compiled, as vLLM ships)")
