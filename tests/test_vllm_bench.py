@@ -619,11 +619,18 @@ def test_read_trace_of_a_cpu_profiler_run(tmp_path):
 
 def test_profile_command_arguments(capsys, monkeypatch):
     assert SP.main(["--out", "x", "--scenarios", "decode"]) == 2
+    assert SP.main(["--out", "x", "--scenarios=profile,tm"]) == 2
+    assert "tm" in capsys.readouterr().err
     seen = []
     monkeypatch.setattr(B, "main", lambda argv: seen.append(argv) or 0)
     assert SP.main(["--out", "x", "--dry-run"]) == 0
     assert seen[0][-6:] == ["--modes", "default,kit+attention", "--scenarios", "profile", "--result-name",
                             "vllm_profile"]
+    assert SP.main(["--out", "x", "--scenarios", "profile,profile_mixed", "--modes", "default"]) == 0
+    assert seen[1] == ["--out", "x", "--modes", "default", "--scenarios", "profile,profile_mixed",
+                       "--result-name", "vllm_profile"]
+    mixed = B.SCENARIOS["profile_mixed"]
+    assert mixed.kind == "profile" and mixed.bounds(mixed.output_len)[0] < mixed.bounds(mixed.output_len)[1]
 
 
 # ----------------------------------------------------------------------------- live: vLLM's CPU build

@@ -3,10 +3,12 @@ kernel family, and the time the GPU sat idle between kernels waiting for the hos
 
     python -m batch_invariance_kit.vllm.step_profile --out DIR                       # dense: default, kit+attention
     python -m batch_invariance_kit.vllm.step_profile --out DIR --models moe --modes default,invariant,kit+attention
+    python -m batch_invariance_kit.vllm.step_profile --out DIR --scenarios profile,profile_mixed
 
 It is :mod:`batch_invariance_kit.vllm.bench` with its ``profile`` scenario (one engine per mode, a
 warm-up batch, then one batch of 64 prompts of 512 tokens and 16 new tokens, a prefill and 15
-decode steps, under the profiler), written to ``DIR/vllm_profile.json``: one row per (model,
+decode steps, under the profiler) or its ``profile_mixed`` scenario (384 prompts of 64-192 tokens
+and 24-72 new tokens: most steps mix prefill and decode, as the ``tm`` scenario's do), written to ``DIR/vllm_profile.json``: one row per (model,
 mode) with
 
 * ``families``: per family of :data:`FAMILIES` (:func:`kernel_family`: by the kernel's name, the
@@ -129,7 +131,7 @@ def profile_table(rows: list) -> str:
                         if r["families"][f]["share"] is not None)
         g = r["gaps"]
         idle = f"{g['idle_fraction']:.0%}" if g["idle_fraction"] is not None else "n/a"
-        lines.append(f"{r['model']} {r['impl']:<22} {r['kernels']} kernels, {r['kernel_time_us'] / 1e3:.1f} ms: {fam}; "
+        lines.append(f"{r['model']} {r.get('scenario', 'profile'):<13} {r['impl']:<22} {r['kernels']} kernels, {r['kernel_time_us'] / 1e3:.1f} ms: {fam}; "
                      f"device idle {idle} of {g['span_us'] / 1e3:.1f} ms ({g['gaps']} gaps, "
                      f"{g['gaps_over_100us']} over 100 us)")
     return "\n".join(lines)
@@ -158,16 +160,33 @@ def profile_call(fn) -> dict:
 
 def main(argv=None) -> int:
     """``python -m batch_invariance_kit.vllm.bench --scenarios profile`` into ``vllm_profile.json``;
-    the other arguments are the bench's (default ``--models dense --modes default,kit+attention``)."""
+    ``--scenarios`` picks among the profile scenarios (``profile``, the default, and
+    ``profile_mixed``); the other arguments are the bench's (default ``--models dense --modes
+    default,kit+attention``)."""
     from . import bench
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a == "--scenarios" or a.startswith("--scenarios=") for a in argv):
-        print("error: --scenarios: the profile command runs the profile scenario only", file=sys.stderr)
+    names, rest, i = None, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--scenarios" and i + 1 < len(argv):
+            names, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--scenarios="):
+            names = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    profiles = [n for n, s in bench.SCENARIOS.items() if s.kind == "profile"]
+    names = names if names is not None else "profile"
+    wrong = [n for n in names.split(",") if n not in profiles]
+    if wrong or not names:
+        print(f"error: --scenarios: {','.join(wrong) or repr(names)}: the profile command runs profile scenarios "
+              f"only ({','.join(profiles)})", file=sys.stderr)
         return 2
-    if not any(a == "--modes" or a.startswith("--modes=") for a in argv):
-        argv += ["--modes", "default,kit+attention"]
-    return bench.main(argv + ["--scenarios", "profile", "--result-name", "vllm_profile"])
+    if not any(a == "--modes" or a.startswith("--modes=") for a in rest):
+        rest += ["--modes", "default,kit+attention"]
+    return bench.main(rest + ["--scenarios", names, "--result-name", "vllm_profile"])
 
 
 if __name__ == "__main__":
