@@ -626,10 +626,10 @@ def test_profile_command_arguments(capsys, monkeypatch):
     assert SP.main(["--out", "x", "--dry-run"]) == 0
     assert seen[0][-6:] == ["--modes", "default,kit+attention", "--scenarios", "profile", "--result-name",
                             "vllm_profile"]
-    assert SP.main(["--out", "x", "--scenarios", "profile,profile_mixed", "--modes", "default"]) == 0
-    assert seen[1] == ["--out", "x", "--modes", "default", "--scenarios", "profile,profile_mixed",
+    assert SP.main(["--out", "x", "--scenarios", "profile,profile_tm", "--modes", "default"]) == 0
+    assert seen[1] == ["--out", "x", "--modes", "default", "--scenarios", "profile,profile_tm",
                        "--result-name", "vllm_profile"]
-    mixed = B.SCENARIOS["profile_mixed"]
+    mixed = B.SCENARIOS["profile_tm"]
     assert mixed.kind == "profile" and mixed.bounds(mixed.output_len)[0] < mixed.bounds(mixed.output_len)[1]
 
 

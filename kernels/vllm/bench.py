@@ -37,8 +37,8 @@ sees its kernels.
 the lengths): ``prefill`` (long prompts, few new tokens), ``decode`` (short prompts, 512 new
 tokens), ``tm`` (Thinking Machines' setting: 1,000 requests of about 100 new tokens), ``online``
 (a server under 64 concurrent clients at a fixed request rate: TTFT, TPOT), ``profile`` (a few
-steps under ``torch.profiler``: :mod:`batch_invariance_kit.vllm.step_profile`) and ``profile_mixed``
-(the steps of a ``tm``-like run, most of them mixed prefill and decode, under the profiler).  Prompts come from
+steps under ``torch.profiler``: :mod:`batch_invariance_kit.vllm.step_profile`) and ``profile_tm``
+(the ``tm`` scenario's requests with fewer new tokens, under the profiler).  Prompts come from
 vLLM's random dataset with a fixed seed; the warm-ups use the next seeds.
 
 **How each number is taken.**  Offline, the measure of ``vllm bench throughput``: vLLM's own
@@ -189,9 +189,9 @@ SCENARIOS = {s.name: s for s in (
              what="online: 64 concurrent clients at 16 requests/s, prompts of 384-640 tokens, 96-160 new tokens"),
     Scenario("profile", "profile", 64, 512, 16, 0.0, estimate_s=4.0,
              what="one batch of 64 prompts of 512 tokens, 16 new tokens each, under torch.profiler"),
-    Scenario("profile_mixed", "profile", 384, 128, 48, 0.5, estimate_s=6.0,
-             what="384 prompts of 64-192 tokens, 24-72 new tokens each, under torch.profiler: requests finish "
-                  "at different steps and waiting ones join, so most steps mix prefill and decode, as in tm"),
+    Scenario("profile_tm", "profile", 1000, 128, 16, 0.1, estimate_s=6.0,
+             what="the tm scenario's requests with 14-18 new tokens each, under torch.profiler: 1,000 prompts of "
+                  "115-141 tokens in prefill chunks, then decode steps of up to 1,000 requests"),
 )}
 
 #: Per kind: the measures kept, and whether more is better; the first is the headline.

@@ -3,12 +3,12 @@ kernel family, and the time the GPU sat idle between kernels waiting for the hos
 
     python -m batch_invariance_kit.vllm.step_profile --out DIR                       # dense: default, kit+attention
     python -m batch_invariance_kit.vllm.step_profile --out DIR --models moe --modes default,invariant,kit+attention
-    python -m batch_invariance_kit.vllm.step_profile --out DIR --scenarios profile,profile_mixed
+    python -m batch_invariance_kit.vllm.step_profile --out DIR --scenarios profile,profile_tm
 
 It is :mod:`batch_invariance_kit.vllm.bench` with its ``profile`` scenario (one engine per mode, a
 warm-up batch, then one batch of 64 prompts of 512 tokens and 16 new tokens, a prefill and 15
-decode steps, under the profiler) or its ``profile_mixed`` scenario (384 prompts of 64-192 tokens
-and 24-72 new tokens: most steps mix prefill and decode, as the ``tm`` scenario's do), written to ``DIR/vllm_profile.json``: one row per (model,
+decode steps, under the profiler) or its ``profile_tm`` scenario (the ``tm`` scenario's 1,000 prompts with 14-18 new tokens: prefill
+chunks, then decode steps of up to 1,000 requests), written to ``DIR/vllm_profile.json``: one row per (model,
 mode) with
 
 * ``families``: per family of :data:`FAMILIES` (:func:`kernel_family`: by the kernel's name, the
@@ -161,7 +161,7 @@ def profile_call(fn) -> dict:
 def main(argv=None) -> int:
     """``python -m batch_invariance_kit.vllm.bench --scenarios profile`` into ``vllm_profile.json``;
     ``--scenarios`` picks among the profile scenarios (``profile``, the default, and
-    ``profile_mixed``); the other arguments are the bench's (default ``--models dense --modes
+    ``profile_tm``); the other arguments are the bench's (default ``--models dense --modes
     default,kit+attention``)."""
     from . import bench
 
