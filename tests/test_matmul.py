@@ -387,6 +387,46 @@ def test_trial_configs_give_the_shipped_bits_for_every_m(dtype):
     assert not bad, f"trial configs whose bits differ from the default: {bad}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_stream_k_cuts_tiles_and_keeps_the_bits(dtype, monkeypatch):
+    """Stream-K over a long K's chunks: programs whose runs start or end inside a tile (a run
+    inside one tile too: a chain of three programs handing one running sum on) give the bits
+    of the one-program chunk loop, as mm and as linear, for every M; the stream-K kernel ran."""
+    launched = []
+    real = MM._mm_stream_k_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid[0])
+            return real[grid]
+
+    monkeypatch.setattr(MM, "_mm_stream_k_kernel", Spy())
+    chunk = MM.k_chunk(10 ** 6, dtype)
+    long_k = 3 * chunk + 8  # four chunks, the last partial
+    sk = [c for c in MM.TRIAL_CONFIGS if c.stream_k] + [MM.MMConfig("sk16", 16, 32, 2, 3, 1, tma=True, stream_k=True)]
+    bad = []
+    for n in (N, 40):
+        b, bias = _weights(dtype, n=n, k=long_k)
+        w = b.t().contiguous()
+        a = row_maker(long_k, dtype=dtype)(300)
+        full, full_lin = MM.mm(a, b, config="large_tma"), MM.linear(a, w, bias, config="large_tma")
+        for cfg in sk:
+            for m in (1, 17, 129, 300):
+                if not bitwise_equal(MM.mm(a[:m], b, config=cfg), full[:m]):
+                    bad.append(("mm", n, cfg.name, m))
+                if not bitwise_equal(MM.linear(a[:m], w, bias, config=cfg), full_lin[:m]):
+                    bad.append(("linear", n, cfg.name, m))
+    assert not bad, f"stream-K launches whose bits differ from the chunk loop: {bad}"
+    assert launched and max(launched) == 5
+    # the runs these launches used: tiles cut at chunk edges, and one tile over three programs
+    runs = MM.stream_k_runs(1, 4, 4)
+    assert runs == [(0, 1), (1, 2), (2, 3), (3, 4)]  # N = 40, M = 1, 128-wide tiles: a chain of four
+    cut = MM.stream_k_runs(6, 4, 5)  # M = 300, N = 144 in 128 x 128 tiles
+    assert any(lo % 4 for lo, _ in cut) and cut[-1][1] == 24
+    with pytest.raises(ValueError, match="programs"):
+        MM.stream_k_runs(1, 4, 5)
+
+
 def test_trial_configs_are_weighed_only_when_asked():
     """select_config never picks a trial config (it has no coefficients); rank_configs weighs
     them when given them with a model that has coefficients for them (a refit)."""

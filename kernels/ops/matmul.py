@@ -95,6 +95,7 @@ __all__ = [
     "invariant_candidates",
     "variant_split_k",
     "launch_info",
+    "stream_k_runs",
     "launch",
     "plant_variant",
     "mm",
@@ -130,6 +131,12 @@ class MMConfig:
     #: thin M: one program per (tile, K chunk), the chunks' fp32 sums added in chunk order by a
     #: second kernel (the same additions the one-program loop does: the same bits, more CTAs)
     split_chunks: bool = False
+    #: stream-K over a long K's fixed chunks (TMA configs, one 2-D product): one program per SM
+    #: takes an equal run of (tile, chunk) units in tile order, so a tile may be cut between two
+    #: programs at a chunk boundary; the earlier program hands its running fp32 sum on, the later
+    #: one adds its chunks to it in chunk order (:func:`_mm_stream_k_kernel`): the additions of
+    #: the one-program chunk loop, the same bits, without a partial last wave
+    stream_k: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -182,6 +189,10 @@ TRIAL_CONFIGS = [
     # thin M, long K: narrow tiles times the fixed chunks, for more programs than SMs
     MMConfig("t16n32c", 16, 32, num_warps=2, num_stages=8, group_m=1, split_chunks=True),
     MMConfig("t64n32c", 64, 32, num_warps=4, num_stages=8, group_m=1, split_chunks=True),
+    # stream-K over a long K's chunks: every SM busy to the end, whatever the tile count
+    MMConfig("large_tma_sk", 128, 128, num_warps=8, num_stages=4, group_m=8, tma=True, stream_k=True),
+    MMConfig("mid_tma_sk", 64, 128, num_warps=4, num_stages=6, group_m=8, tma=True, stream_k=True),
+    MMConfig("m128n64_sk", 128, 64, num_warps=4, num_stages=4, group_m=8, tma=True, stream_k=True),
 ]
 _BY_NAME = {c.name: c for c in CONFIGS + TRIAL_CONFIGS}
 
@@ -523,6 +534,102 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, total_tiles, s_cm, 
                   BLOCK_M, BLOCK_N, HAS_BIAS)
 
 
+@triton.jit
+def _tma_chunks(a_desc, b_desc, acc, c_lo, c_hi, k_blocks, off_m, off_n, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, B_KN: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc`` plus the sums of chunks ``c_lo .. c_hi - 1`` of a long K, each summed from zero
+    upward and added in chunk order (the additions of ``_mm_tma_kernel``'s chunk loop)."""
+    for c in range(c_lo, c_hi):
+        part = tl.zeros(acc.shape, dtype=tl.float32)
+        for kb in range(c * CHUNK_BLOCKS, tl.minimum((c + 1) * CHUNK_BLOCKS, k_blocks)):
+            part = _tma_step(a_desc, b_desc, part, kb, off_m, off_n, BLOCK_K, BLOCK_N, B_KN, UPCAST)
+        acc += part
+    return acc
+
+
+@triton.jit
+def _mm_stream_k_kernel(a_desc, b_desc, c_ptr, bias_ptr, ws_ptr, flag_ptr, M, N, K, total_tiles,
+                        s_cm, s_cn, s_biasm, s_biasn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        CHUNK_BLOCKS: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        UPCAST: tl.constexpr):
+    """Stream-K over the fixed K chunks: the ``total_tiles * C`` units (tile, chunk), in tile
+    order, are cut into ``P`` equal runs, one per program (``P`` = the grid, at most the units).
+    A tile cut between programs ``p - 1`` and ``p`` has its first chunks at the end of ``p - 1``'s
+    run and the rest at the start of ``p``'s.  Program ``p`` therefore works (1) on its last tile
+    first when the run ends inside it: the running sum of that tile's first chunks, from zero,
+    goes to workspace slot ``p`` and its flag is raised; (2) on its whole tiles, each the chunk
+    loop of ``_mm_tma_kernel``, rounded and stored; (3) last on its first tile when the run
+    starts inside it: it waits for flag ``p - 1``, loads that running sum, clears the flag, adds
+    its own chunks in order, then stores the tile (or, when the run ends inside the same tile,
+    hands the sum on through slot ``p``).  Every tile gets exactly the additions of the
+    one-program chunk loop, ``acc = 0; acc += chunk_0; acc += chunk_1; ...``: the same bits as
+    every other config.  A program waits only for the one before it, which started no later and
+    raises its flag before its other work (programs run in order under the interpreter).  A K
+    summed in one loop has one unit per tile: whole tiles only."""
+    p = tl.program_id(0)
+    P = tl.num_programs(0)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    if CHUNK_BLOCKS == 0:  # one loop over K: runs of whole tiles
+        t_lo = (p.to(tl.int64) * total_tiles // P).to(tl.int32)
+        t_hi = ((p + 1).to(tl.int64) * total_tiles // P).to(tl.int32)
+        for tile in range(t_lo, t_hi):
+            bid, pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kb in range(0, k_blocks):
+                acc = _tma_step(a_desc, b_desc, acc, kb, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_K, BLOCK_N, B_KN,
+                                UPCAST)
+            _epilogue(acc, c_ptr, bias_ptr, bid, pid_m, pid_n, M, N, 0, s_cm, s_cn, s_biasm, s_biasn,
+                      BLOCK_M, BLOCK_N, HAS_BIAS)
+    else:
+        C = tl.cdiv(k_blocks, CHUNK_BLOCKS)
+        units = total_tiles.to(tl.int64) * C
+        u0 = (p.to(tl.int64) * units // P).to(tl.int32)
+        u1 = ((p + 1).to(tl.int64) * units // P).to(tl.int32)
+        t_first = u0 // C
+        t_last = (u1 - 1) // C
+        first_mid = (u0 % C) != 0  # the run starts inside a tile: a continuation
+        last_mid = (u1 % C) != 0  # the run ends inside a tile: its sum is handed on
+        # (1) the last tile's first chunks, when the run ends inside a tile it did not continue
+        if last_mid and ((t_last > t_first) or (u0 % C) == 0):
+            bid, pid_m, pid_n = _tile_coords(t_last, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = _tma_chunks(a_desc, b_desc, acc, 0, u1 - t_last * C, k_blocks, pid_m * BLOCK_M,
+                              pid_n * BLOCK_N, BLOCK_K, BLOCK_N, CHUNK_BLOCKS, B_KN, UPCAST)
+            tl.store(ws_ptr + p.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
+            tl.debug_barrier()
+            tl.atomic_xchg(flag_ptr + p, 1, sem="release")
+        # (2) whole tiles
+        t_lo = t_first + first_mid.to(tl.int32)
+        t_hi = t_last + 1 - last_mid.to(tl.int32)
+        for tile in range(t_lo, t_hi):
+            bid, pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = _tma_chunks(a_desc, b_desc, acc, 0, C, k_blocks, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                              BLOCK_K, BLOCK_N, CHUNK_BLOCKS, B_KN, UPCAST)
+            _epilogue(acc, c_ptr, bias_ptr, bid, pid_m, pid_n, M, N, 0, s_cm, s_cn, s_biasm, s_biasn,
+                      BLOCK_M, BLOCK_N, HAS_BIAS)
+        # (3) the first tile's later chunks, added to the sum program p - 1 handed on
+        if first_mid:
+            while tl.atomic_add(flag_ptr + p - 1, 0, sem="acquire") == 0:
+                pass
+            tl.debug_barrier()
+            acc = tl.load(ws_ptr + (p - 1).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+            tl.debug_barrier()
+            tl.atomic_xchg(flag_ptr + p - 1, 0, sem="relaxed")  # cleared for the next launch
+            bid, pid_m, pid_n = _tile_coords(t_first, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = _tma_chunks(a_desc, b_desc, acc, u0 - t_first * C, tl.minimum(u1 - t_first * C, C), k_blocks,
+                              pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_K, BLOCK_N, CHUNK_BLOCKS, B_KN, UPCAST)
+            if last_mid and t_last == t_first:  # the run lies inside one tile: hand the sum on
+                tl.store(ws_ptr + p.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
+                tl.debug_barrier()
+                tl.atomic_xchg(flag_ptr + p, 1, sem="release")
+            else:
+                _epilogue(acc, c_ptr, bias_ptr, bid, pid_m, pid_n, M, N, 0, s_cm, s_cn, s_biasm, s_biasn,
+                          BLOCK_M, BLOCK_N, HAS_BIAS)
+
+
 def _k_plan(impl, cfg, M, N, K, dtype, compiled=None) -> tuple:
     """``(programs along K, K blocks per program, K blocks per chunk)`` of a launch (0 blocks
     per chunk: K is not long, one loop).  Invariant: one program per tile (the chunk loop
@@ -584,6 +691,8 @@ class _Plan(NamedTuple):
     tma_kw: dict
     #: grid of the second pass that adds the K ranges' fp32 sums (split > 1)
     reduce_grid: tuple
+    #: stream-K programs (:func:`_mm_stream_k_kernel`; 0: not a stream-K launch)
+    stream_programs: int = 0
 
 
 #: Tile of the second pass (:func:`batch_invariance_kit.ops.k_order.chunk_reduce_kernel`)
@@ -606,10 +715,32 @@ def _plan(B: int, M: int, N: int, K: int, dtype: torch.dtype, impl: str, cfg, ha
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
                   CHUNK_BLOCKS=chunk_blocks, PERSISTENT=persistent, HAS_BIAS=has_bias, UPCAST=INTERPRET,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tma = cfg.tma and split == 1 and B == 1
+    stream = 0
+    if tma and cfg.stream_k:
+        units = tiles * (_cdiv(_cdiv(K, bk), chunk_blocks) if chunk_blocks else 1)
+        stream = min(_stream_k_programs(device.index), units)
     return _Plan(grid=(progs, split), split=split, per_split=per_split, tiles=tiles,
-                 tma=cfg.tma and split == 1 and B == 1, kw=dict(common, SPLIT_K=split),
+                 tma=tma, kw=dict(common, SPLIT_K=split),
                  tma_kw=dict(common, WARP_SPEC=cfg.warp_spec),
-                 reduce_grid=(_cdiv(M, _REDUCE_M), _cdiv(N, _REDUCE_N), B))
+                 reduce_grid=(_cdiv(M, _REDUCE_M), _cdiv(N, _REDUCE_N), B), stream_programs=stream)
+
+
+def stream_k_runs(tiles: int, chunks: int, programs: int) -> list:
+    """The runs of a stream-K launch (:func:`_mm_stream_k_kernel`'s formula): per program, its
+    ``(first unit, end unit)`` of the ``tiles * chunks`` units (tile ``u // chunks``, chunk
+    ``u % chunks``).  A run edge that is not a multiple of ``chunks`` cuts a tile."""
+    for name, v in (("tiles", tiles), ("chunks", chunks), ("programs", programs)):
+        checks.positive_int(name, v)
+    units = tiles * chunks
+    if programs > units:
+        raise ValueError(f"programs must be at most tiles * chunks ({units}), got {programs}")
+    return [(p * units // programs, (p + 1) * units // programs) for p in range(programs)]
+
+
+def _stream_k_programs(device_index: int | None = None) -> int:
+    """Stream-K programs: one per SM (5 under the interpreter, so that small tests cut tiles)."""
+    return 5 if INTERPRET else sm_count(device_index)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -627,6 +758,14 @@ def _launch_tma(a, b, out, bias, plan, p: Product, b_kn):
     a_desc = TensorDescriptor(a, [M, K], [sa[1], sa[2]], [bm, bk])
     b_desc = TensorDescriptor(b, [K, N], [sb[1], sb[2]], [bk, bn]) if b_kn else \
         TensorDescriptor(b, [N, K], [sb[2], sb[1]], [bn, bk])
+    if plan.stream_programs:
+        P = plan.stream_programs
+        ws = torch.empty((P, bm * bn), dtype=torch.float32, device=a.device)
+        flags = torch.zeros(P, dtype=torch.int32, device=a.device)
+        skw = {k: v for k, v in kw.items() if k not in ("PERSISTENT", "WARP_SPEC")}
+        _mm_stream_k_kernel[(P,)](a_desc, b_desc, out, bias, ws, flags, M, N, K, plan.tiles, sc[1], sc[2], *p.bias,
+                                  B_KN=b_kn, **skw)
+        return
     _mm_tma_kernel[(plan.grid[0],)](a_desc, b_desc, out, bias, M, N, K, plan.tiles, sc[1], sc[2], *p.bias,
                                     B_KN=b_kn, **kw)
 
