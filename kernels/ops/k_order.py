@@ -15,8 +15,9 @@ sums an output element over K.  One home, so that the two cannot drift apart.
   launch (:func:`batch_invariance_kit.ops.matmul.launch`) takes.
 
 What may change from launch to launch is only *which program* computes an element (the M/N
-tiling, the number of programs along K when the chunks are computed apart); what each element's
-sum is, is fixed here.
+tiling, the number of programs along K when the chunks are computed apart, a running sum handed
+from one program to the next at a chunk edge in a stream-K launch); what each element's sum is,
+is fixed here.
 """
 from __future__ import annotations
 
