@@ -427,6 +427,20 @@ def test_stream_k_cuts_tiles_and_keeps_the_bits(dtype, monkeypatch):
         MM.stream_k_runs(1, 4, 5)
 
 
+def test_stream_k_cost_terms_have_no_partial_wave():
+    """M 1024 x N 5120 x K 5120 in 128 x 128 tiles: 320 tiles on 132 SMs are three rounds of
+    one-tile programs; stream-K spreads the 960 (tile, chunk) units over the 132 programs, the
+    busiest 8 units of 80 / 3 K steps on average (the chunks of 2048 keys, the last one 1024)."""
+    large = MM.CONFIGS[[c.name for c in MM.CONFIGS].index("large_tma")]
+    sk = MM.MMConfig("sk", 128, 128, 8, 4, 8, tma=True, stream_k=True)
+    plain = MM.cost_terms(large, 1024, 5120, 5120, sms=132, compiled=True)
+    st = MM.cost_terms(sk, 1024, 5120, 5120, sms=132, compiled=True)
+    assert (plain["programs"], plain["rounds"], plain["steps"]) == (320, 3, 3 * 80)
+    assert (st["programs"], st["rounds"], st["launches"]) == (132, 1, 2) and st["steps"] == pytest.approx(8 * 80 / 3)
+    one_loop = MM.cost_terms(sk, 1024, 5120, 4096, sms=132, compiled=True)  # one unit per tile
+    assert (one_loop["programs"], one_loop["steps"]) == (132, 3 * 64)
+
+
 def test_trial_configs_are_weighed_only_when_asked():
     """select_config never picks a trial config (it has no coefficients); rank_configs weighs
     them when given them with a model that has coefficients for them (a refit)."""

@@ -249,12 +249,26 @@ def cost_terms(cfg: MMConfig, M: int, N: int, K: int, dtype: torch.dtype = torch
     programs along K), ``rounds`` (programs per SM on the busiest SM: ``ceil(programs / sms)``,
     the wave quantisation), ``steps`` (BLOCK_K steps the busiest SM runs: rounds times the steps
     of one program), ``bytes`` (A, B and C once, plus the fp32 chunk sums of a split-chunks
-    launch, written and read back) and ``launches`` (2 with a split-chunks second pass)."""
-    programs_k, per_program, _ = _k_plan("invariant", cfg, M, N, K, dtype, compiled)
-    programs = _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n) * programs_k
-    rounds = _cdiv(programs, sms)
+    launch, written and read back) and ``launches`` (2 with a split-chunks second pass).  A
+    stream-K config (``stream_k``) runs ``min(sms, units)`` programs over the ``tiles * chunks``
+    units: one round, the busiest program ``ceil(units / programs)`` chunks of the mean length
+(``K / chunks``); its handed-on
+    sums add their bytes, and the cleared flags a second launch."""
+    programs_k, per_program, chunk_blocks = _k_plan("invariant", cfg, M, N, K, dtype, compiled)
+    tiles = _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)
     elt = torch.empty((), dtype=dtype).element_size()
-    nbytes = (M * K + K * N + M * N) * elt + (2 * programs_k * M * N * 4 if programs_k > 1 else 0)
+    nbytes = (M * K + K * N + M * N) * elt
+    if cfg.stream_k:
+        k_blocks = _cdiv(K, block_k(dtype))
+        unit_blocks = chunk_blocks or k_blocks
+        chunks = _cdiv(k_blocks, unit_blocks)
+        units = tiles * chunks
+        programs = min(sms, units)
+        return {"programs": programs, "rounds": 1, "steps": _cdiv(units, programs) * k_blocks / chunks,
+                "bytes": nbytes + 2 * programs * cfg.block_m * cfg.block_n * 4, "launches": 2}
+    programs = tiles * programs_k
+    rounds = _cdiv(programs, sms)
+    nbytes += 2 * programs_k * M * N * 4 if programs_k > 1 else 0
     return {"programs": programs, "rounds": rounds, "steps": rounds * per_program, "bytes": nbytes,
             "launches": 2 if programs_k > 1 else 1}
 
