@@ -5,6 +5,7 @@ order is checked bitwise against the first one timed, and rows at each M against
 
     python tools/oneoff/matmul_one_loop.py OUT_DIR [deadline_s]
 """
+import os
 import sys
 import time
 
@@ -31,13 +32,18 @@ ONE_LOOP = [BY[n] for n in ("wide_tma_ws", "tall_tma", "large_tma", "mid_tma", "
                             "t16n32tma", "t64n32s8")] + NARROW[:1] + NARROW[3:]
 CHUNKED = [BY[n] for n in ("large_tma", "large_tma_sk", "mid_tma_sk", "m128n64_sk", "mid_tma", "midc", "m16c",
                            "t16n32tma")]
+if os.environ.get("MM_SHAPES"):  # a narrower run: "NxK,NxK", "M,M", orders "chunked,one_loop"
+    SHAPES = [tuple(int(v) for v in x.split("x")) for x in os.environ["MM_SHAPES"].split(",")]
+if os.environ.get("MM_MS"):
+    MS = [int(v) for v in os.environ["MM_MS"].split(",")]
+ORDERS = os.environ.get("MM_ORDERS", "chunked,one_loop").split(",")
 shipped = dict(KO.LONG_K)
 rows, checks, t0 = [], [], time.perf_counter()
 for N, K in SHAPES:
     gen = torch.Generator(device=DEV).manual_seed(N * 100003 + K)
     a_all = torch.randn((MS[-1], K), generator=gen, device=DEV).to(torch.bfloat16)
     b = (torch.randn((K, N), generator=gen, device=DEV) * K ** -0.5).to(torch.bfloat16)
-    for order, cfgs in (("chunked", CHUNKED), ("one_loop", ONE_LOOP)):
+    for order, cfgs in [(o, c) for o, c in (("chunked", CHUNKED), ("one_loop", ONE_LOOP)) if o in ORDERS]:
         KO.LONG_K[KEY] = shipped[KEY] if order == "chunked" else (1 << 40, shipped[KEY][1])
         MM._plan.cache_clear(), MM._select.cache_clear()
         ref_full = MM.mm(a_all, b, config=cfgs[0])
@@ -66,7 +72,7 @@ for N, K in SHAPES:
                 rows.append({"op": "mm", "N": N, "K": K, "M": M, "order": order, "config": c.name,
                              "median_us": t["median_us"], "p25_us": t["p25_us"], "p75_us": t["p75_us"],
                              "same_bits": same, "cuda_graph": g})
-            if order == "one_loop" and GPU:
+            if order == ORDERS[-1] and GPU:
                 t, g = median_us_graph_or_plain(lambda x, y, z: torch.mm(x, y, out=z), reps=20, rotate=sets)
                 rows.append({"op": "mm", "N": N, "K": K, "M": M, "order": "cublas", "config": "cublas",
                              "median_us": t["median_us"], "p25_us": t["p25_us"], "p75_us": t["p75_us"], "cuda_graph": g})
