@@ -207,7 +207,9 @@ def _matmul(rec, dev):
             # every config the cost model may pick, forced (16-bit; fp32 compiles its picks below):
             # with a bias and B as (N, K) over the short K, without and B as (K, N) rows over the
             # long one (chunked)
-            for cfg in (MM._candidates(dt) + (MM.TRIAL_CONFIGS if TRIALS else [])) if dt == torch.bfloat16 else []:
+            # trial configs: all with --trials; else one stream-K config, so that its kernel is compiled
+            trials = MM.TRIAL_CONFIGS if TRIALS else [c for c in MM.TRIAL_CONFIGS if c.stream_k][:1]
+            for cfg in (MM._candidates(dt) + trials) if dt == torch.bfloat16 else []:
                 tag = f"{_dname(dt)} M=300 N=8192 K={K}"
                 if K == ks[0]:
                     rec.call(f"linear+bias invariant {cfg.name} {tag}", MM.linear, a, w, bias, config=cfg)
