@@ -98,6 +98,28 @@ def test_every_tile_gives_the_same_bits(dtype):
     assert not bad, f"tiles whose bits differ from the default: {bad}"
 
 
+def test_tile_grid_of_the_tiles_part_gives_the_same_bits():
+    """Every tile the ``moe_tiles`` part times (up to 128 x 256) gives the default's bits; the
+    part's summary picks the fastest tile per cell and keeps vLLM's time beside it."""
+    from batch_invariance_kit.bench import moe as MB
+
+    dtype = torch.bfloat16
+    rw, w13, w2 = _weights(dtype, hot=True)
+    x = _maker("skewed", dtype)(130)
+    default = moe.fused_moe(x, rw, w13, w2, TOPK)
+    cfgs = MB.tile_configs(dtype)
+    assert len(cfgs) == len(MB.TILE_GRID) and {c.block_k for c in cfgs} == {moe.MM.block_k(dtype)}
+    bad = [c.name for c in cfgs if not bitwise_equal(moe.fused_moe(x, rw, w13, w2, TOPK, config=c), default)]
+    assert not bad, f"tiles whose bits differ from the default: {bad}"
+    row = lambda name, us, pick=False, impl="kit-invariant": {  # noqa: E731
+        "op": "moe_tile", "model": "m", "tokens": 8, "impl": impl, "is_pick": pick, "median_us": us,
+        "config": {"name": name}}
+    best = MB.best_tiles([row("invariant<=16", 10.0, True), row("a", 12.0), row("b", 8.0),
+                          row(None, 9.0, impl="vllm-fused_moe"), {"op": "other"}])
+    assert best == [{"model": "m", "tokens": 8, "pick_us": 10.0, "best": "b", "best_us": 8.0, "vllm_us": 9.0,
+                     "pick_over_best": 1.25}]
+
+
 def test_tables_and_launches():
     for t in (1, 7, 65, 300, 10 ** 5):
         assert moe.router_launch(t, 128) == moe.router_launch(1, 128)

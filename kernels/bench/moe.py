@@ -5,7 +5,9 @@ expert intermediate 768, bf16).  Each function returns ``(rows, checks)`` in the
 * :func:`invariance`: a token alone vs the same token inside batches of 1..8192 tokens, uniform
   and skewed routing; the invariant MoE must never differ, the variant must differ somewhere;
 * :func:`loads`: tokens per expert against the batch size (the chapter's histogram figure);
-* :func:`bench`: median time of the invariant MoE and of the variant with its tuned table.
+* :func:`bench`: median time of the invariant MoE and of the variant with its tuned table;
+* :func:`tiles`: every grouped-GEMM tile of :data:`TILE_GRID` forced (bits and time, vLLM beside
+  them), the data for choosing :data:`batch_invariance_kit.ops.moe.INVARIANT_TABLE`'s rows.
 
 The comparison with vLLM's own ``fused_moe`` is :mod:`.moe_vllm`.
 """
@@ -130,3 +132,92 @@ def bench(quick: bool) -> tuple:
         checks.append(goal(f"moe T={n}: invariant at least 0.85x the variant's speed", ratio <= 1 / 0.85,
                            ratio_invariant_over_variant=ratio))
     return rows, checks
+
+
+#: Grouped-GEMM tiles :func:`tiles` times: (BLOCK_M, BLOCK_N, num_warps, num_stages).  The K step
+#: is the dtype's (:func:`batch_invariance_kit.ops.k_order.block_k`): only the M/N tiling varies.
+TILE_GRID = ((16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4),
+             (64, 128, 8, 3), (64, 256, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3),
+             (128, 256, 8, 3))
+
+
+def tile_configs(dtype: torch.dtype = DTYPE) -> list:
+    """The :class:`batch_invariance_kit.ops.moe.MoEConfig` of every tile of :data:`TILE_GRID`."""
+    bk = moe.k_order.block_k(dtype)
+    return [moe.MoEConfig(f"m{bm}n{bn}w{nw}s{ns}", bm, bn, bk, 1, nw, ns) for bm, bn, nw, ns in TILE_GRID]
+
+
+def tiles(quick: bool) -> tuple:
+    """The invariant MoE layer (routed experts) with every grouped-GEMM tile of :data:`TILE_GRID`
+    forced, at the shapes of :data:`batch_invariance_kit.bench.moe_vllm.MODELS` (Qwen3-30B-A3B,
+    DeepSeek-V2-Lite), 1 ... 8192 tokens: each tile timed (CUDA-graph replays) and checked bitwise
+    against the table's pick (:data:`batch_invariance_kit.ops.moe.INVARIANT_TABLE`); vLLM's
+    default ``fused_moe`` timed beside them where vLLM's CUDA build is installed.  The data for
+    choosing the table's rows (:func:`best_tiles`)."""
+    from . import moe_vllm as MV
+
+    sizes = token_counts(quick)
+    try:
+        vllm_run, _ = MV.vllm_layer()
+    except RuntimeError:
+        vllm_run = None
+    rows, checks = [], []
+    for model, spec in MV.MODELS.items():
+        spec = dict(spec, shared=0)
+        w = MV.layer_weights(spec)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x_all = torch.randn((max(sizes), spec["hidden"]), generator=g, device="cuda").to(DTYPE)
+        bad = []
+        for n in sizes:
+            x = x_all[:n].clone()
+            pick = moe.select_config(n, spec["top_k"], spec["experts"], DTYPE)
+
+            def run(a, cfg=None):
+                return moe.fused_moe(a, w["router"], w["w13"], w["w2"], spec["top_k"],
+                                     renormalize=spec["renormalize"], config=cfg)
+
+            ref = run(x)
+            timed = [("pick", None)] + [(c.name, c) for c in tile_configs()]
+            for name, cfg in timed:
+                if cfg is not None and not bitwise_equal(run(x, cfg), ref):
+                    bad.append([n, name])
+                t, graph = median_us_graph_or_plain(lambda a, cfg=cfg: run(a, cfg), rotate=[(x,)],
+                                                    reps=20 if quick else 50)
+                rows.append({"op": "moe_tile", "model": model, "tokens": n, "impl": "kit-invariant",
+                             "config": (cfg or pick).as_dict(), "pick": pick.name, "is_pick": cfg is None, **t,
+                             "cuda_graph": graph})
+            if vllm_run is not None:
+                t, graph = median_us_graph_or_plain(lambda a: vllm_run(a, w, spec), rotate=[(x,)],
+                                                    reps=20 if quick else 50)
+                rows.append({"op": "moe_tile", "model": model, "tokens": n, "impl": MV.VLLM_IMPL, **t,
+                             "cuda_graph": graph})
+            best = best_tiles([r for r in rows if r["model"] == model and r["tokens"] == n])[0]
+            print(f"  {model:<17} T={n:<5} pick {best['pick_us']:8.1f} us, fastest {best['best']} "
+                  f"{best['best_us']:8.1f} us" + (f", vLLM {best['vllm_us']:8.1f} us" if best["vllm_us"] else ""),
+                  flush=True)
+        checks.append({"name": f"{model}: every grouped-GEMM tile gives the bits of the table's pick at every "
+                               f"token count", "passed": not bad, "differing": bad[:40]})
+    return rows, checks
+
+
+def best_tiles(rows: list) -> list:
+    """Per (model, tokens) of :func:`tiles`' rows: the pick's time, the fastest tile and its time,
+    the pick / fastest ratio and vLLM's time (``None`` where it was not timed)."""
+    cells: dict = {}
+    for r in rows:
+        if r.get("op") != "moe_tile":
+            continue
+        c = cells.setdefault((r["model"], r["tokens"]), {"pick_us": None, "best": None, "best_us": None,
+                                                         "vllm_us": None})
+        if r["impl"] != "kit-invariant":
+            c["vllm_us"] = r["median_us"]
+            continue
+        if r["is_pick"]:
+            c["pick_us"] = r["median_us"]
+        elif c["best_us"] is None or r["median_us"] < c["best_us"]:
+            c["best"], c["best_us"] = r["config"]["name"], r["median_us"]
+    out = []
+    for (model, tokens), c in sorted(cells.items()):
+        ratio = c["pick_us"] / c["best_us"] if c["pick_us"] and c["best_us"] else None
+        out.append({"model": model, "tokens": tokens, **c, "pick_over_best": ratio})
+    return out

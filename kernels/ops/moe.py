@@ -118,7 +118,9 @@ class MoEConfig:
 #: BLOCK_K is :func:`batch_invariance_kit.ops.k_order.block_k` of the dtype for every row of the table.
 #: No stored sweep of tiles chose these rows (nor the variant's below): they are set by hand, and
 #: ``results/h200/moe_bench.json`` measures the layer that uses them (``moe_bench``; the
-#: ``moe_vs_vllm`` part times it beside vLLM's fused_moe).
+#: ``moe_vs_vllm`` part times it beside vLLM's fused_moe).  The ``moe_tiles`` part times every
+#: tile of :data:`batch_invariance_kit.bench.moe.TILE_GRID` at both models' shapes, the data a
+#: chosen table needs.
 INVARIANT_TABLE = [(16, 16, 64, 4, 4), (128, 32, 64, 4, 4), (None, 64, 128, 8, 3)]
 
 #: Variant grouped GEMM, like a tuned production table: (largest tokens per expert, BLOCK_M,
