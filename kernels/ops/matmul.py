@@ -251,17 +251,15 @@ def cost_terms(cfg: MMConfig, M: int, N: int, K: int, dtype: torch.dtype = torch
     of one program), ``bytes`` (A, B and C once, plus the fp32 chunk sums of a split-chunks
     launch, written and read back) and ``launches`` (2 with a split-chunks second pass).  A
     stream-K config (``stream_k``) runs ``min(sms, units)`` programs over the ``tiles * chunks``
-    units: one round, the busiest program ``ceil(units / programs)`` chunks of the mean length
-(``K / chunks``); its handed-on
-    sums add their bytes, and the cleared flags a second launch."""
+    units (:func:`_k_units`): one round, the busiest program ``ceil(units / programs)`` chunks of
+    the mean length (``K / chunks``); its handed-on sums add their bytes, and the zeroed flags a
+    second launch."""
     programs_k, per_program, chunk_blocks = _k_plan("invariant", cfg, M, N, K, dtype, compiled)
     tiles = _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (M * K + K * N + M * N) * elt
     if cfg.stream_k:
-        k_blocks = _cdiv(K, block_k(dtype))
-        unit_blocks = chunk_blocks or k_blocks
-        chunks = _cdiv(k_blocks, unit_blocks)
+        k_blocks, chunks = _k_units(K, dtype, chunk_blocks)
         units = tiles * chunks
         programs = min(sms, units)
         return {"programs": programs, "rounds": 1, "steps": _cdiv(units, programs) * k_blocks / chunks,
@@ -574,8 +572,8 @@ def _mm_stream_k_kernel(a_desc, b_desc, c_ptr, bias_ptr, ws_ptr, flag_ptr, M, N,
     first when the run ends inside it: the running sum of that tile's first chunks, from zero,
     goes to workspace slot ``p`` and its flag is raised; (2) on its whole tiles, each the chunk
     loop of ``_mm_tma_kernel``, rounded and stored; (3) last on its first tile when the run
-    starts inside it: it waits for flag ``p - 1``, loads that running sum, clears the flag, adds
-    its own chunks in order, then stores the tile (or, when the run ends inside the same tile,
+    starts inside it: it waits for flag ``p - 1`` (the flags are zeroed for each launch), loads
+    that running sum, adds its own chunks in order, then stores the tile (or, when the run ends inside the same tile,
     hands the sum on through slot ``p``).  Every tile gets exactly the additions of the
     one-program chunk loop, ``acc = 0; acc += chunk_0; acc += chunk_1; ...``: the same bits as
     every other config.  A program waits only for the one before it, which started no later and
@@ -630,8 +628,6 @@ def _mm_stream_k_kernel(a_desc, b_desc, c_ptr, bias_ptr, ws_ptr, flag_ptr, M, N,
                 pass
             tl.debug_barrier()
             acc = tl.load(ws_ptr + (p - 1).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-            tl.debug_barrier()
-            tl.atomic_xchg(flag_ptr + p - 1, 0, sem="relaxed")  # cleared for the next launch
             bid, pid_m, pid_n = _tile_coords(t_first, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = _tma_chunks(a_desc, b_desc, acc, u0 - t_first * C, tl.minimum(u1 - t_first * C, C), k_blocks,
                               pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_K, BLOCK_N, CHUNK_BLOCKS, B_KN, UPCAST)
@@ -732,12 +728,18 @@ def _plan(B: int, M: int, N: int, K: int, dtype: torch.dtype, impl: str, cfg, ha
     tma = cfg.tma and split == 1 and B == 1
     stream = 0
     if tma and cfg.stream_k:
-        units = tiles * (_cdiv(_cdiv(K, bk), chunk_blocks) if chunk_blocks else 1)
-        stream = min(_stream_k_programs(device.index), units)
+        stream = min(_stream_k_programs(device.index), tiles * _k_units(K, dtype, chunk_blocks)[1])
     return _Plan(grid=(progs, split), split=split, per_split=per_split, tiles=tiles,
                  tma=tma, kw=dict(common, SPLIT_K=split),
                  tma_kw=dict(common, WARP_SPEC=cfg.warp_spec),
                  reduce_grid=(_cdiv(M, _REDUCE_M), _cdiv(N, _REDUCE_N), B), stream_programs=stream)
+
+
+def _k_units(K: int, dtype: torch.dtype, chunk_blocks: int) -> tuple:
+    """``(K blocks, chunks)`` of a reduction of length ``K``: a stream-K unit is one chunk of one
+    tile (the whole K when it is summed in one loop, ``chunk_blocks == 0``)."""
+    k_blocks = _cdiv(K, block_k(dtype))
+    return k_blocks, _cdiv(k_blocks, chunk_blocks or k_blocks)
 
 
 def stream_k_runs(tiles: int, chunks: int, programs: int) -> list:

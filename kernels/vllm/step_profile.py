@@ -7,9 +7,9 @@ kernel family, and the time the GPU sat idle between kernels waiting for the hos
 
 It is :mod:`batch_invariance_kit.vllm.bench` with its ``profile`` scenario (one engine per mode, a
 warm-up batch, then one batch of 64 prompts of 512 tokens and 16 new tokens, a prefill and 15
-decode steps, under the profiler) or its ``profile_tm`` scenario (the ``tm`` scenario's 1,000 prompts with 14-18 new tokens: prefill
-chunks, then decode steps of up to 1,000 requests), written to ``DIR/vllm_profile.json``: one row per (model,
-mode) with
+decode steps, under the profiler) or its ``profile_tm`` scenario (the ``tm`` scenario's 1,000
+prompts with 14-18 new tokens: prefill chunks, then decode steps of up to 1,000 requests),
+written to ``DIR/vllm_profile.json``: one row per (model, mode, scenario) with
 
 * ``families``: per family of :data:`FAMILIES` (:func:`kernel_family`: by the kernel's name, the
   kit's Triton kernels and vLLM's, cuBLAS's and Inductor's), the kernels, their summed time and
@@ -24,6 +24,7 @@ tested on a CPU with a synthetic trace and with the trace of a CPU run of the pr
 """
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import statistics
@@ -131,7 +132,8 @@ def profile_table(rows: list) -> str:
                         if r["families"][f]["share"] is not None)
         g = r["gaps"]
         idle = f"{g['idle_fraction']:.0%}" if g["idle_fraction"] is not None else "n/a"
-        lines.append(f"{r['model']} {r.get('scenario', 'profile'):<13} {r['impl']:<22} {r['kernels']} kernels, {r['kernel_time_us'] / 1e3:.1f} ms: {fam}; "
+        lines.append(f"{r['model']} {r.get('scenario', 'profile'):<13} {r['impl']:<22} {r['kernels']} kernels, "
+                     f"{r['kernel_time_us'] / 1e3:.1f} ms: {fam}; "
                      f"device idle {idle} of {g['span_us'] / 1e3:.1f} ms ({g['gaps']} gaps, "
                      f"{g['gaps_over_100us']} over 100 us)")
     return "\n".join(lines)
@@ -166,19 +168,11 @@ def main(argv=None) -> int:
     from . import bench
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    names, rest, i = None, [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--scenarios" and i + 1 < len(argv):
-            names, i = argv[i + 1], i + 2
-            continue
-        if a.startswith("--scenarios="):
-            names = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-        i += 1
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    own.add_argument("--scenarios", default="profile")
+    known, rest = own.parse_known_args(argv)
+    names = known.scenarios
     profiles = [n for n, s in bench.SCENARIOS.items() if s.kind == "profile"]
-    names = names if names is not None else "profile"
     wrong = [n for n in names.split(",") if n not in profiles]
     if wrong or not names:
         print(f"error: --scenarios: {','.join(wrong) or repr(names)}: the profile command runs profile scenarios "
