@@ -249,18 +249,30 @@ def _load_chunk(x_ptr, res_ptr, res_out_ptr, offs, mask, HAS_RESIDUAL: tl.conste
 
 
 @triton.jit
-def _finish_chunk(x, s, w_ptr, out_ptr, scale_ptr, scales_ptr, rows, row_mask, start, cols, offs, mask,
+def _load_weight(w_ptr, scale_ptr, cols, H: tl.constexpr, QUANT: tl.constexpr):
+    """The weight of one chunk (``[1, BLOCK]``) and, for the static fp8 quantization (QUANT 1),
+    ``1 / scale``: loaded by the caller before the row's sum of squares, so that their latency
+    overlaps the row's load instead of following the reduction (the arithmetic is unchanged)."""
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
+    if QUANT == 1:
+        inv = tl.div_rn(1.0, tl.load(scale_ptr))
+    else:
+        inv = 1.0
+    return w, inv
+
+
+@triton.jit
+def _finish_chunk(x, s, w, inv, out_ptr, scales_ptr, rows, row_mask, start, offs, mask,
                   H: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
                   GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """y = (dtype)((dtype)(x*s) * w), then store it (QUANT 0), its static fp8 quantization
-    (QUANT 1) or its per-group dynamic fp8 quantization and the group scales (QUANT 2)."""
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)  # [1, BLOCK]
+    (QUANT 1, ``inv`` = 1 / scale) or its per-group dynamic fp8 quantization and the group
+    scales (QUANT 2).  ``w``, ``inv``: from :func:`_load_weight`."""
     xs = _round(x * s[:, None], w.dtype)
     y = _round(xs * _to_f32(w), w.dtype)
     if QUANT == 0:
         tl.store(out_ptr + offs, _from_f32(y, out_ptr.dtype.element_ty), mask=mask)
     elif QUANT == 1:
-        inv = tl.div_rn(1.0, tl.load(scale_ptr))
         q = _round_fp8e4m3(tl.minimum(tl.maximum(y * inv, -FP8_MAX), FP8_MAX))
         tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
     else:
@@ -293,11 +305,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, sca
     cols0 = tl.arange(0, BLOCK)[None, :]
     if NUM_CHUNKS == 1:  # the whole row in registers: one read, one write
         mask = row_mask[:, None] & (cols0 < H)
+        w, inv = _load_weight(w_ptr, scale_ptr, cols0, H, QUANT)
         x = _load_chunk(x_ptr, res_ptr, res_out_ptr, row_offs + cols0, mask, HAS_RESIDUAL)
         ss = tl.sum(x * x, axis=1)
         s = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, tl.full((ROWS,), H, tl.float32)) + eps))
-        _finish_chunk(x, s, w_ptr, out_ptr, scale_ptr, scales_ptr, rows, row_mask, 0, cols0,
-                      row_offs + cols0, mask, H, BLOCK, ROWS, QUANT, GROUP, FP8_MAX, MIN_SCALE)
+        _finish_chunk(x, s, w, inv, out_ptr, scales_ptr, rows, row_mask, 0, row_offs + cols0, mask,
+                      H, BLOCK, ROWS, QUANT, GROUP, FP8_MAX, MIN_SCALE)
     else:
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for k in range(NUM_CHUNKS):
@@ -315,8 +328,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, sca
                 x = _to_f32(tl.load(res_out_ptr + row_offs + cols, mask=mask, other=0.0))
             else:
                 x = _to_f32(tl.load(x_ptr + row_offs + cols, mask=mask, other=0.0))
-            _finish_chunk(x, s, w_ptr, out_ptr, scale_ptr, scales_ptr, rows, row_mask, k * BLOCK,
-                          cols, row_offs + cols, mask, H, BLOCK, ROWS, QUANT, GROUP, FP8_MAX, MIN_SCALE)
+            w, inv = _load_weight(w_ptr, scale_ptr, cols, H, QUANT)
+            _finish_chunk(x, s, w, inv, out_ptr, scales_ptr, rows, row_mask, k * BLOCK, row_offs + cols, mask,
+                          H, BLOCK, ROWS, QUANT, GROUP, FP8_MAX, MIN_SCALE)
 
 
 def _launch(op, x, residual, residual_out, weight, out, scale, scales, eps, group_size, invariant):
