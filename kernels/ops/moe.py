@@ -116,12 +116,14 @@ class MoEConfig:
 
 #: Invariant grouped GEMM: (largest tokens per expert, BLOCK_M, BLOCK_N, num_warps, num_stages).
 #: BLOCK_K is :func:`batch_invariance_kit.ops.k_order.block_k` of the dtype for every row of the table.
-#: No stored sweep of tiles chose these rows (nor the variant's below): they are set by hand, and
-#: ``results/h200/moe_bench.json`` measures the layer that uses them (``moe_bench``; the
-#: ``moe_vs_vllm`` part times it beside vLLM's fused_moe).  The ``moe_tiles`` part times every
-#: tile of :data:`batch_invariance_kit.bench.moe.TILE_GRID` at both models' shapes, the data a
-#: chosen table needs.
-INVARIANT_TABLE = [(16, 16, 64, 4, 4), (128, 32, 64, 4, 4), (None, 64, 128, 8, 3)]
+#: The rows come from the ``moe_tiles`` part (``results/h100/moe_tiles.json``: every tile of
+#: :data:`batch_invariance_kit.bench.moe.TILE_GRID` timed at Qwen3-30B-A3B and DeepSeek-V2-Lite
+#: shapes, 1 ... 8192 tokens, and checked bitwise against the table's pick): at every token count
+#: of both models the row's tile is within 3 % of the fastest tile (:func:`best_tiles` of the
+#: stored rows; ``tests/test_moe.py`` reads them).  16 x 64 while an expert sees a token or two,
+#: 64 x 64 (wgmma) up to 64 tokens per expert, then 128 x 128.  The variant's table below is set
+#: by hand, as production tables are tuned per GPU.
+INVARIANT_TABLE = [(2, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 128, 128, 8, 3)]
 
 #: Variant grouped GEMM, like a tuned production table: (largest tokens per expert, BLOCK_M,
 #: BLOCK_N, BLOCK_K for 16-bit inputs, SPLIT_K, num_warps, num_stages).  fp32 halves BLOCK_K
