@@ -200,6 +200,33 @@ def tiles(quick: bool) -> tuple:
     return rows, checks
 
 
+def table_against_sweep(rows: list) -> list:
+    """Per (model, tokens) of :func:`tiles`' rows: the tile :func:`batch_invariance_kit.ops.moe.select_config`
+    picks now (``table``), its time in the sweep, the fastest tile and its time, and the ratio
+    ``table_over_fastest`` (1.0: the table picks the fastest tile).  ``tile_name`` names tiles as
+    :func:`tile_configs` does."""
+    from . import moe_vllm as MV
+
+    cells: dict = {}
+    for r in rows:
+        if r.get("op") == "moe_tile" and r["impl"] == "kit-invariant" and not r["is_pick"]:
+            cells.setdefault((r["model"], r["tokens"]), {})[r["config"]["name"]] = r["median_us"]
+    out = []
+    for (model, tokens), cell in sorted(cells.items()):
+        spec = MV.MODELS[model]
+        name = tile_name(moe.select_config(tokens, spec["top_k"], spec["experts"], DTYPE))
+        fastest = min(cell, key=cell.get)
+        out.append({"model": model, "tokens": tokens, "table": name, "table_us": cell.get(name),
+                    "fastest": fastest, "fastest_us": cell[fastest],
+                    "table_over_fastest": cell[name] / cell[fastest] if name in cell else None})
+    return out
+
+
+def tile_name(cfg) -> str:
+    """``m{BLOCK_M}n{BLOCK_N}w{warps}s{stages}``: a grouped-GEMM tile's name in :func:`tiles`' rows."""
+    return f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+
+
 def best_tiles(rows: list) -> list:
     """Per (model, tokens) of :func:`tiles`' rows: the pick's time, the fastest tile and its time,
     the pick / fastest ratio and vLLM's time (``None`` where it was not timed)."""

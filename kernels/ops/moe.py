@@ -675,6 +675,12 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, disp: Dispatch, *, activation
     return out
 
 
+#: Accumulator values a thread may hold in a fused gate/up launch over a long K, whose four fp32
+#: tiles would otherwise spill (128 x 128 with 8 warps: 256 a thread).  The launch narrows
+#: ``BLOCK_N`` to fit; which program computes a column never changes its bits.
+_FUSED_LONG_K_VALUES = 128
+
+
 @functools.lru_cache(maxsize=4096)
 def _gemm_params(num_valid: int, num_blocks: int, N: int, K: int, dtype: torch.dtype, impl: str, cfg: MoEConfig,
                  fuse: bool, a_div: int) -> tuple:
@@ -683,10 +689,13 @@ def _gemm_params(num_valid: int, num_blocks: int, N: int, K: int, dtype: torch.d
     its table's split-K and K step."""
     split = max(1, min(cfg.split_k, -(-K // cfg.block_k)))
     chunk_blocks = k_order.k_chunk_blocks(K, dtype) if impl == "invariant" else 0
-    kw = dict(A_DIV=a_div, FUSE_SILU=fuse, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    block_n = cfg.block_n
+    if fuse and chunk_blocks:  # gate and up over a long K: four fp32 tiles (chunk sum and running sum of each)
+        block_n = min(block_n, _FUSED_LONG_K_VALUES * cfg.num_warps * 32 // (4 * cfg.block_m))
+    kw = dict(A_DIV=a_div, FUSE_SILU=fuse, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
               CHUNK_BLOCKS=chunk_blocks, SPLIT_K=split, UPCAST=INTERPRET, num_warps=cfg.num_warps,
               num_stages=cfg.num_stages)
-    return (num_blocks, -(-N // cfg.block_n), split), split, kw, (-(-num_valid // 32), -(-N // 64))
+    return (num_blocks, -(-N // block_n), split), split, kw, (-(-num_valid // 32), -(-N // 64))
 
 
 def _grouped_gemm(a, w, disp, fuse, gather_tokens, impl, cfg, out) -> None:
