@@ -144,7 +144,8 @@ TILE_GRID = ((16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 3), (64
 def tile_configs(dtype: torch.dtype = DTYPE) -> list:
     """The :class:`batch_invariance_kit.ops.moe.MoEConfig` of every tile of :data:`TILE_GRID`."""
     bk = moe.k_order.block_k(dtype)
-    return [moe.MoEConfig(f"m{bm}n{bn}w{nw}s{ns}", bm, bn, bk, 1, nw, ns) for bm, bn, nw, ns in TILE_GRID]
+    cfgs = [moe.MoEConfig("", bm, bn, bk, 1, nw, ns) for bm, bn, nw, ns in TILE_GRID]
+    return [moe.MoEConfig(tile_name(c), c.block_m, c.block_n, bk, 1, c.num_warps, c.num_stages) for c in cfgs]
 
 
 def tiles(quick: bool) -> tuple:

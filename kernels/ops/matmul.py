@@ -191,10 +191,10 @@ TRIAL_CONFIGS = [
     MMConfig("t64n32c", 64, 32, num_warps=4, num_stages=8, group_m=1, split_chunks=True),
     # stream-K over a long K's chunks: every SM busy to the end, whatever the tile count.  On an
     # H100 (results/h100/matmul_refit_*.json) the handed-on sums gave the chunk loop's bits in every
-    # cell, but no stream-K config was the fastest anywhere: at best 0.94 of the fastest
-    # one-program-per-tile config's speed, 0.6 at M 1024 with K 32768 (each program's run starts
-    # at another tile and chunk than its neighbours', so concurrent programs read different K
-    # slices; a grid that runs whole waves tile by tile and splits only the last is not built)
+    # cell, but no stream-K config was the fastest anywhere: at K > 4096 0.41-0.94 of the speed of
+    # the fastest other config (0.63 at M 1024, K 32768).  Not profiled; likely causes: programs
+    # that run at the same time start at other tiles and chunks, so they read different K slices
+    # (little L2 reuse), and a continuation computes its chunks only after the wait
     MMConfig("large_tma_sk", 128, 128, num_warps=8, num_stages=4, group_m=8, tma=True, stream_k=True),
     MMConfig("mid_tma_sk", 64, 128, num_warps=4, num_stages=6, group_m=8, tma=True, stream_k=True),
     MMConfig("m128n64_sk", 128, 64, num_warps=4, num_stages=4, group_m=8, tma=True, stream_k=True),

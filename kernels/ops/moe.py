@@ -119,8 +119,10 @@ class MoEConfig:
 #: The rows come from the ``moe_tiles`` part (``results/h100/moe_tiles.json``: every tile of
 #: :data:`batch_invariance_kit.bench.moe.TILE_GRID` timed at Qwen3-30B-A3B and DeepSeek-V2-Lite
 #: shapes, 1 ... 8192 tokens, and checked bitwise against the table's pick): at every token count
-#: of both models the row's tile is within 3 % of the fastest tile (:func:`best_tiles` of the
-#: stored rows; ``tests/test_moe.py`` reads them).  16 x 64 while an expert sees a token or two,
+#: of both models the row's tile is within 3 % of the fastest tile
+#: (:func:`batch_invariance_kit.bench.moe.table_against_sweep` of the stored rows, asserted by
+#: ``tests/test_moe.py``).  A fused gate/up launch over a long K narrows ``BLOCK_N``
+#: (:data:`_FUSED_LONG_K_VALUES`).  16 x 64 while an expert sees a token or two,
 #: 64 x 64 (wgmma) up to 64 tokens per expert, then 128 x 128.  The variant's table below is set
 #: by hand, as production tables are tuned per GPU.
 INVARIANT_TABLE = [(2, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 128, 128, 8, 3)]
@@ -677,7 +679,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, disp: Dispatch, *, activation
 
 #: Accumulator values a thread may hold in a fused gate/up launch over a long K, whose four fp32
 #: tiles would otherwise spill (128 x 128 with 8 warps: 256 a thread).  The launch narrows
-#: ``BLOCK_N`` to fit; which program computes a column never changes its bits.
+#: ``BLOCK_N`` to fit (not below 16, ``tl.dot``'s least); which program computes a column never
+#: changes its bits.  ``launch_info`` and the configs keep the table's ``block_n``.
 _FUSED_LONG_K_VALUES = 128
 
 
@@ -691,7 +694,7 @@ def _gemm_params(num_valid: int, num_blocks: int, N: int, K: int, dtype: torch.d
     chunk_blocks = k_order.k_chunk_blocks(K, dtype) if impl == "invariant" else 0
     block_n = cfg.block_n
     if fuse and chunk_blocks:  # gate and up over a long K: four fp32 tiles (chunk sum and running sum of each)
-        block_n = min(block_n, _FUSED_LONG_K_VALUES * cfg.num_warps * 32 // (4 * cfg.block_m))
+        block_n = max(16, min(block_n, _FUSED_LONG_K_VALUES * cfg.num_warps * 32 // (4 * cfg.block_m)))
     kw = dict(A_DIV=a_div, FUSE_SILU=fuse, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
               CHUNK_BLOCKS=chunk_blocks, SPLIT_K=split, UPCAST=INTERPRET, num_warps=cfg.num_warps,
               num_stages=cfg.num_stages)

@@ -251,8 +251,9 @@ def _load_chunk(x_ptr, res_ptr, res_out_ptr, offs, mask, HAS_RESIDUAL: tl.conste
 @triton.jit
 def _load_weight(w_ptr, scale_ptr, cols, H: tl.constexpr, QUANT: tl.constexpr):
     """The weight of one chunk (``[1, BLOCK]``) and, for the static fp8 quantization (QUANT 1),
-    ``1 / scale``: loaded by the caller before the row's sum of squares, so that their latency
-    overlaps the row's load instead of following the reduction (the arithmetic is unchanged)."""
+    ``1 / scale``.  A row of one chunk loads them before its sum of squares, so that their latency
+    overlaps the row's load instead of following the reduction; a chunked row loads each chunk's
+    in its second pass.  The arithmetic is the same either way."""
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
     if QUANT == 1:
         inv = tl.div_rn(1.0, tl.load(scale_ptr))
