@@ -13,6 +13,8 @@ The comparison with vLLM's own ``fused_moe`` is :mod:`.moe_vllm`.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..ops import moe
@@ -145,7 +147,7 @@ def tile_configs(dtype: torch.dtype = DTYPE) -> list:
     """The :class:`batch_invariance_kit.ops.moe.MoEConfig` of every tile of :data:`TILE_GRID`."""
     bk = moe.k_order.block_k(dtype)
     cfgs = [moe.MoEConfig("", bm, bn, bk, 1, nw, ns) for bm, bn, nw, ns in TILE_GRID]
-    return [moe.MoEConfig(tile_name(c), c.block_m, c.block_n, bk, 1, c.num_warps, c.num_stages) for c in cfgs]
+    return [dataclasses.replace(c, name=tile_name(c)) for c in cfgs]
 
 
 def tiles(quick: bool) -> tuple:
