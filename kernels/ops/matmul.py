@@ -77,6 +77,7 @@ from .k_order import LONG_K, Product, block_k, k_chunk, k_chunk_blocks, launch_c
 
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 __all__ = [
     "IMPLS",
@@ -771,8 +772,6 @@ def _cdiv(a: int, b: int) -> int:
 def _launch_tma(a, b, out, bias, plan, p: Product, b_kn):
     """The TMA kernel for one 2-D product: descriptors of ``a`` (M, K) and of ``b`` as (K, N)
     rows (``b_kn``) or as the (N, K) rows of a linear weight, built from ``p``'s strides."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     M, N, K, sa, sb, sc = p.M, p.N, p.K, p.a, p.b, p.c
     kw = plan.tma_kw
     bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
