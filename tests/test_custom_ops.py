@@ -1,7 +1,12 @@
 """The kit's ops as torch custom ops: ``torch.compile(fullgraph=True)`` traces through each one
 (one graph, no break: the fake implementation gives shapes) and the compiled function gives the
-eager bits; the in-place forms mutate their arguments as declared.  Small sizes (the Triton
-interpreter runs the kernels on CPU)."""
+eager bits; the in-place forms mutate their arguments as declared, and each schema declares
+exactly the arguments its op writes; a call that would need a derivative is refused, naming the
+op; a second import of the module defines nothing twice.  Small sizes (the Triton interpreter runs
+the kernels on CPU)."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -170,3 +175,74 @@ def test_variant_passes_through_the_op(op):
         got = OPS.linear(x, wl, None, "variant")
         want = batch_invariance_kit.ops.matmul.linear(x, wl, impl="variant")
     assert bitwise_equal(got, want)
+
+
+#: The arguments each op writes (its schema's ``Tensor(a!)``); every other op writes none.
+MUTATED = {"fused_add_rms_norm_": {"x", "residual"}, "write_kv": {"k_cache", "v_cache"}}
+
+
+def test_schemas_declare_exactly_the_mutated_arguments():
+    """Each op's schema marks as written exactly the arguments its kernel writes, each in an
+    alias set of its own, and no op returns an alias of an argument: torch.compile keeps these
+    writes and no others, so a missing or extra annotation would compile to wrong bits."""
+    for name in (n for n in K.__all__ if n not in ("NAMESPACE", "CALLS", "ON_CALL")):
+        schema = getattr(OPS, name).default._schema
+        written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        assert {a.name for a in written} == MUTATED.get(name, set()), (name, str(schema))
+        sets = [frozenset(a.alias_info.before_set) for a in written]
+        assert len(set(sets)) == len(sets), str(schema)
+        assert all(a.alias_info is None for a in schema.arguments if a not in written), str(schema)
+        assert all(r.alias_info is None for r in schema.returns), str(schema)
+
+
+def test_written_arguments_bump_their_version():
+    """The in-place op bumps the version counters of the arguments it writes (and of no other),
+    so autograd still refuses a backward through a tensor it saved and the op then overwrote."""
+    x, r, w = _x((5, 64), 23), _x((5, 64), 24), _x((64,), 25)
+    a = torch.ones(5, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = a * x                                                     # saves x for the backward
+    before = (x._version, r._version, w._version)
+    with torch.no_grad():
+        OPS.fused_add_rms_norm_(x, r, w, 1e-6)
+    assert (x._version, r._version, w._version) == (before[0] + 1, before[1] + 1, before[2])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_grad_refused_with_the_op_named():
+    """The ops have no derivative: called with grad mode on and an argument that requires grad,
+    an op raises naming itself and the argument, before its kernel runs (nothing counted or
+    written), eager and when torch.compile traces it; under no_grad the same call runs."""
+    x, r, w = _x((5, 64), 20), _x((5, 64), 21), _x((64,), 22)
+    wg = w.clone().requires_grad_(True)
+    n0 = K.CALLS["rms_norm"]
+    with pytest.raises(RuntimeError, match=r"batch_invariance_kit::rms_norm has no autograd formula.*weight"):
+        OPS.rms_norm(x, wg, 1e-6)
+    xg, r2 = x.clone().requires_grad_(True), r.clone()
+    with pytest.raises(RuntimeError, match=r"batch_invariance_kit::fused_add_rms_norm_ has no autograd.*\bx\b"):
+        K.fused_add_rms_norm_(xg, r2, w, 1e-6)
+    assert bitwise_equal(xg.detach(), x) and bitwise_equal(r2, r) and K.CALLS["rms_norm"] == n0
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"batch_invariance_kit::linear has no autograd formula.*weight"):
+        torch.compile(lambda a: OPS.linear(a, wg.view(1, 64)), fullgraph=True, backend="aot_eager")(x)
+    with torch.no_grad():
+        assert bitwise_equal(OPS.rms_norm(x, wg, 1e-6), OPS.rms_norm(x, w, 1e-6))
+    assert K.CALLS["rms_norm"] == n0 + 2
+
+
+def test_importing_again_keeps_the_ops():
+    """A reload of the module, and a new import once it is gone from ``sys.modules``, define
+    nothing twice: both run, the ops stay callable, and after the reload the module's
+    :data:`CALLS` counts their calls."""
+    code = ("import importlib, sys, torch\n"
+            "import batch_invariance_kit.ops.custom_ops as K\n"
+            "x, w = torch.randn(3, 64), torch.randn(8, 64)\n"
+            "want = K.cpu_linear(x, w, None, 4)\n"
+            "K = importlib.reload(K)\n"
+            "assert torch.equal(torch.ops.batch_invariance_kit.cpu_linear(x, w, None, 4), want)\n"
+            "assert K.CALLS['linear'] == 1, K.CALLS\n"
+            "del sys.modules['batch_invariance_kit.ops.custom_ops']\n"
+            "import batch_invariance_kit.ops.custom_ops as K2\n"
+            "assert K2 is not K and torch.equal(K2.cpu_linear(x, w, None, 4), want)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
