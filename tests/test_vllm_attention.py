@@ -88,6 +88,39 @@ def test_impl_equals_kit_attention_over_its_own_cache(layout):
             assert bitwise_equal(kk, kw)
 
 
+def test_forward_checks_a_layout_once_then_launches_unchecked(monkeypatch):
+    """A layer's first forward runs write_kv's and attention's checks; later forwards with tensors
+    of the same layout launch without them (``validate=False``: the same bits), and a forward over
+    another cache checks again.  The unchecked calls still refuse a plan built for another call."""
+    from batch_invariance_kit.ops.attention import cache as C
+    from batch_invariance_kit.ops.attention import ops as O
+
+    counts = {"tensors": 0, "write": 0}
+    for mod, name, key in ((O, "check_tensors", "tensors"), (C, "_check_write", "write")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _key=key, **k: (counts.__setitem__(_key, counts[_key] + 1),
+                                                                              _real(*a, **k))[1])
+    dtype = torch.bfloat16
+    lens, qls = [37, 20, 53, 9], [1, 1, 11, 9]
+    q, k, v, hk, hv, bt, seq_lens, qsl, hist, new, nb = _step(4, dtype, lens, qls)
+    md = _metadata(lens, qls, bt, seq_lens, qsl, new)
+    impl = KB.KitAttentionImpl(HQ, D, D ** -0.5, HKV)
+    outs = []
+    kvs = [torch.zeros((nb, HKV, BS, 2 * D), dtype=dtype, device=DEV) for _ in range(2)]
+    for kv in (kvs[0], kvs[0], kvs[0], kvs[1]):
+        o = torch.empty((q.shape[0], HQ, D), dtype=dtype, device=DEV)
+        outs.append(impl.forward(None, q, k, v, kv, md, o))
+    assert counts == {"tensors": 2, "write": 2}, counts  # the first call on each cache
+    assert all(bitwise_equal(o, outs[0]) for o in outs[1:])
+    other = _metadata(lens[:3], qls[:3], bt[:3], seq_lens[:3], qsl[:4], new[:3])  # a plan of fewer tokens
+    with pytest.raises(ValueError, match="plan was built for"):
+        impl.forward(None, q, k, v, kvs[1], KB.KitAttentionMetadata(
+            num_actual_tokens=q.shape[0], query_start_loc=qsl, seq_lens=seq_lens, block_table=bt,
+            slot_mapping=new, plan=other.plan), torch.empty((q.shape[0], HQ, D), dtype=dtype, device=DEV))
+    with pytest.raises(ValueError, match="validate=False needs a plan and out"):
+        A.attention(q, *KB.kv_views(kvs[0], HKV, D), bt, seq_lens, qsl, validate=False)
+
+
 def test_variant_plan_is_caught():
     """With a variant plan (what ``set_impl("variant")`` makes the builder build), a long decode
     row alone and beside seven others differ (the batch-chosen split); invariant: equal."""

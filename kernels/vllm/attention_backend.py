@@ -453,6 +453,19 @@ class KitAttentionImpl(AttentionImpl):
         self.logits_soft_cap = None
         self.alibi_slopes = None
         self.sinks = None
+        #: the layout whose tensors passed the kit's checks in this layer (:meth:`_layout`): a
+        #: later call with the same layout launches unchecked (``validate=False``), since the
+        #: checks of write_kv and attention cost more host time than their launches
+        self._checked_layout = None
+
+    @staticmethod
+    def _layout(query, key, value, kv_cache, output) -> tuple:
+        """What the checks of a forward read beyond the step's token count: the cache (its storage,
+        shape, strides, dtype, device), the row strides and dtypes of the query, new keys and values
+        and output.  The metadata tensors come from the builder (int32, its own layouts) and the
+        plan is checked against the call on every step."""
+        rows = tuple(None if t is None else (t.dtype, t.stride(), t.shape[1:]) for t in (query, key, value, output))
+        return (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device) + rows
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: KitAttentionMetadata | None, output: torch.Tensor, output_scale=None,
@@ -468,15 +481,18 @@ class KitAttentionImpl(AttentionImpl):
                                "the builder's capacity only")
         n = md.num_actual_tokens
         k_cache, v_cache = kv_views(kv_cache, self.num_kv_heads, self.head_size)
+        layout = self._layout(query, key, value, kv_cache, output)
+        validate = layout != self._checked_layout
         new = {}
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            A.write_kv(key[:n], value[:n], k_cache, v_cache, md.slot_mapping[:n], check_slots=False)
+            A.write_kv(key[:n], value[:n], k_cache, v_cache, md.slot_mapping[:n], check_slots=False, validate=validate)
             if key.dtype == k_cache.dtype:  # the step's chunks read from the keys just written (same values)
                 new = {"key": key[:n], "value": value[:n]}
         q = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         A.attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc, scale=self.scale,
-                    impl=md.plan.impl, out=out, plan=md.plan, **new)
+                    impl=md.plan.impl, out=out, plan=md.plan, validate=validate, **new)
+        self._checked_layout = layout
         CALLS["launches"] += 1
         CALLS["tokens"] += n
         return output

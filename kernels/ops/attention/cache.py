@@ -99,13 +99,47 @@ _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloa
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, check_slots: bool = True) -> None:
+             slot_mapping: torch.Tensor, *, check_slots: bool = True, validate: bool = True) -> None:
     """Store ``key``/``value`` ``(num_tokens, kv_heads, head_dim)`` at ``slot_mapping``
     ``(num_tokens,)`` (int64 or int32; ``-1`` skips a token) of the paged caches.
     ``check_slots=False`` skips the range check of the slots (it reads them back to the host:
-    an engine whose scheduler made the slots passes False, so no layer waits on the device)."""
-    check_caches(k_cache, v_cache)
+    an engine whose scheduler made the slots passes False, so no layer waits on the device).
+    ``validate=False`` also skips the checks of the tensors' dtypes, shapes, devices and strides
+    (no error names a bad argument then): for an engine layer that passed them once for its
+    cache and calls again with tensors of the same layout (the vLLM backend), since the checks
+    cost more host time than the launch."""
+    if validate:
+        _check_write(key, value, k_cache, v_cache, slot_mapping)
+    n = key.shape[0]
+    if n == 0:
+        return
     nb, bs, hkv, d = k_cache.shape
+    if check_slots:
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= nb * bs:
+            raise ValueError(f"slot_mapping holds slots in [{lo}, {hi}]; the cache has {nb * bs} slots (-1 = skip)")
+    iv = _INT_VIEW[key.dtype]
+    _write_kv_kernel[(-(-n // _WRITE_T),)](
+        key.view(iv), value.view(iv), k_cache.view(iv), v_cache.view(iv),
+        slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long(), n,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), CACHE_BLOCK=bs,
+        BLOCK_T=_WRITE_T, KV_HEADS=hkv, H_PAD=_pow2(hkv), HEAD_DIM=d, D_PAD=_pow2(d))
+
+
+#: tokens per program of :func:`write_kv`'s kernel
+_WRITE_T = 16
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
+
+
+def _check_write(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """The checks of :func:`write_kv`'s tensors (no value is read)."""
+    check_caches(k_cache, v_cache)
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
     for name, t in (("key", key), ("value", value)):
         checks.tensor(name, t, dim=3, contiguous=False, nonempty=False)
         checks.same_dtype(name, t, "k_cache", k_cache)
@@ -120,18 +154,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     checks.tensor("slot_mapping", slot_mapping, dtypes=(torch.int64, torch.int32), dim=1, nonempty=False)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
-    n = key.shape[0]
-    if n == 0:
-        return
-    lo, hi = (int(slot_mapping.min()), int(slot_mapping.max())) if check_slots else (-1, -1)
-    if lo < -1 or hi >= nb * bs:
-        raise ValueError(f"slot_mapping holds slots in [{lo}, {hi}]; the cache has {nb * bs} slots (-1 = skip)")
-    iv = _INT_VIEW[key.dtype]
-    _write_kv_kernel[(triton.cdiv(n, 16),)](
-        key.view(iv), value.view(iv), k_cache.view(iv), v_cache.view(iv), slot_mapping.long(), n,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), CACHE_BLOCK=bs,
-        BLOCK_T=16, KV_HEADS=hkv, H_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d, D_PAD=triton.next_power_of_2(d))
 
 
 class PagedCache:

@@ -17,7 +17,8 @@ __all__ = ["attention", "prefill", "decode"]
 
 
 def attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *, scale=None, impl="invariant",
-              config=None, out=None, plan: AttnPlan | None = None, key=None, value=None) -> torch.Tensor:
+              config=None, out=None, plan: AttnPlan | None = None, key=None, value=None,
+              validate: bool = True) -> torch.Tensor:
     """Causal GQA attention of a varlen batch over the paged cache; returns ``out``
     ``(num_tokens, q_heads, head_dim)`` in q's dtype.  See :mod:`batch_invariance_kit.ops.attention`
     for the arguments and the reduction schedule.  ``plan``: the step's :func:`~.plan.make_plan`
@@ -29,12 +30,24 @@ def attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *, sc
     The multi-token tiles then read the KV tiles that lie wholly inside their sequence's new
     chunk from them, token-major and contiguous, instead of gathering them through the block
     table.  The values are the same, so are the bits (the tests check it); a caller that passes
-    other values than it wrote gets other results, as with any wrong cache."""
-    check_tensors(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, impl, out)
+    other values than it wrote gets other results, as with any wrong cache.
+
+    ``validate=False`` (with a ``plan`` and ``out``) skips the checks of the tensors' dtypes,
+    shapes, devices and strides and of ``scale``, keeping the check that the plan was built for
+    this call: for an engine layer that passed them once for its cache and calls again with
+    tensors of the same layout (the vLLM backend), since the checks cost more host time than the
+    launches."""
+    if validate:
+        check_tensors(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, impl, out)
+        check_new_kv(key, value, k_cache, q)
+    elif plan is None or out is None:
+        raise ValueError("validate=False needs a plan and out (the unchecked call launches a prepared plan)")
     T, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
-    check_new_kv(key, value, k_cache, q)
-    scale = 1.0 / math.sqrt(d) if scale is None else checks.positive_float("scale", scale)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif validate:
+        scale = checks.positive_float("scale", scale)
     if out is None:
         out = torch.empty_like(q)
     new = {} if key is None else {"key": key, "value": value, "query_start_loc": query_start_loc}
