@@ -532,3 +532,18 @@ def test_refit_fits_shipped_and_trial_configs_and_reports_goals(capsys):
     assert BM._refit_main([str(path)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("COST_MODEL = CostModel(") and "trial configs fastest in some cell" in printed
+
+
+def test_tma_descriptor_is_the_constructors_object():
+    """``ops.tma.descriptor`` (no re-validation) builds what ``TensorDescriptor(...)`` builds: the
+    same type, fields and defaults, for the operand layouts the TMA launches use."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from batch_invariance_kit.ops.tma import descriptor
+
+    a = torch.zeros(64, 96, dtype=torch.bfloat16, device=DEV)
+    for t, shape, strides, block in ((a, [64, 96], [96, 1], [16, 32]), (a, [64, 96], [96, 1], [128, 64]),
+                                     (a[8:], [56, 96], [96, 1], [64, 64])):
+        want = TensorDescriptor(t, shape, strides, block)
+        got = descriptor(t, shape, strides, block)
+        assert type(got) is TensorDescriptor and got == want and vars(got).keys() == vars(want).keys()

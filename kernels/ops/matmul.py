@@ -77,7 +77,8 @@ from .k_order import LONG_K, Product, block_k, k_chunk, k_chunk_blocks, launch_c
 
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from .tma import descriptor  # noqa: E402
 
 __all__ = [
     "IMPLS",
@@ -775,9 +776,9 @@ def _launch_tma(a, b, out, bias, plan, p: Product, b_kn):
     M, N, K, sa, sb, sc = p.M, p.N, p.K, p.a, p.b, p.c
     kw = plan.tma_kw
     bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
-    a_desc = TensorDescriptor(a, [M, K], [sa[1], sa[2]], [bm, bk])
-    b_desc = TensorDescriptor(b, [K, N], [sb[1], sb[2]], [bk, bn]) if b_kn else \
-        TensorDescriptor(b, [N, K], [sb[2], sb[1]], [bn, bk])
+    a_desc = descriptor(a, [M, K], [sa[1], sa[2]], [bm, bk])
+    b_desc = descriptor(b, [K, N], [sb[1], sb[2]], [bk, bn]) if b_kn else \
+        descriptor(b, [N, K], [sb[2], sb[1]], [bn, bk])
     if plan.stream_programs:
         P = plan.stream_programs
         ws = torch.empty((P, bm * bn), dtype=torch.float32, device=a.device)

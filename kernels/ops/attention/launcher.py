@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from triton.tools.tensor_descriptor import TensorDescriptor
-
 from ...device import INTERPRET
+from ..tma import descriptor
 from .kernels import LOG2E, ROW_SUM_COLUMNS, _attn_merge_kernel, _attn_split_kernel
 
 __all__ = ["MERGE_COLUMNS", "FOLD_CHUNK", "workspace", "step_descriptors", "launch"]
@@ -56,7 +55,7 @@ def step_descriptors(key, value, block_n: int):
             return None
     if t == 0 or d & (d - 1) or d * es < 16 or d > 256 or block_n > 256:
         return None
-    return tuple(TensorDescriptor(x, [t, hkv * d], [x.stride(0), 1], [block_n, d]) for x in (key, value))
+    return tuple(descriptor(x, [t, hkv * d], [x.stride(0), 1], [block_n, d]) for x in (key, value))
 
 
 #: per CUDA device index: whether it takes programmatic dependent launch (:func:`_pdl`)
