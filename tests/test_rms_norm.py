@@ -132,24 +132,26 @@ def test_launch_info_variant_follows_the_batch_invariant_does_not():
 # ---------------------------------------------------------------------------------------------
 
 def test_in_kernel_conversions_are_ieee_round_to_nearest_even():
+    """Both roundings of the kernel to bf16 (integer arithmetic, and on a GPU the hardware's
+    conversion that compiled kernels use) against torch's casts, bit for bit."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _convert(x_ptr, o_ptr, N: tl.constexpr, FP8: tl.constexpr):
+    def _convert(x_ptr, o_ptr, N: tl.constexpr, FP8: tl.constexpr, HW: tl.constexpr):
         c = tl.arange(0, N)
         v = R._to_f32(tl.load(x_ptr + c))
         if FP8:
             v = R._round_fp8e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0))
             tl.store(o_ptr + c, v.to(o_ptr.dtype.element_ty))
         else:
-            tl.store(o_ptr + c, R._from_f32(R._round(v, o_ptr.dtype.element_ty), o_ptr.dtype.element_ty))
+            tl.store(o_ptr + c, R._from_f32(R._round(v, o_ptr.dtype.element_ty, HW), o_ptr.dtype.element_ty, HW))
 
-    def run(x, dtype, fp8=False):
+    def run(x, dtype, fp8=False, hw=False):
         n = triton.next_power_of_2(x.numel())
         x = torch.nn.functional.pad(x, (0, n - x.numel())).to(DEV)
         o = torch.empty(n, dtype=dtype, device=DEV)
-        _convert[(1,)](x, o, N=n, FP8=fp8)
+        _convert[(1,)](x, o, N=n, FP8=fp8, HW=hw)
         return o.cpu(), x.cpu().float()
 
     g = torch.Generator().manual_seed(0)
@@ -161,10 +163,11 @@ def test_in_kernel_conversions_are_ieee_round_to_nearest_even():
     assert bool(((bits(o[:65536]) == bits(ref)) | (ref.isnan() & o[:65536].isnan())).all())
     # fp32 -> bf16 / fp16: random values, subnormals and exact ties
     ties = (torch.randn(4096, generator=g).to(torch.bfloat16).float().view(torch.int32) | 0x8000).view(torch.float32)
-    for dt, extra in ((torch.bfloat16, ties), (torch.float16, ties.clamp(-6e4, 6e4))):
-        src = torch.cat([rnd, extra, torch.tensor([0.0, -0.0])])
-        o, xs = run(src, dt)
-        assert torch.equal(bits(o), bits(xs.to(dt))), dt
+    for hw in (False, True) if DEV == "cuda" else (False,):  # the interpreter's own cast truncates
+        for dt, extra in ((torch.bfloat16, ties), (torch.float16, ties.clamp(-6e4, 6e4))):
+            src = torch.cat([rnd, extra, torch.tensor([0.0, -0.0])])
+            o, xs = run(src, dt, hw=hw)
+            assert torch.equal(bits(o), bits(xs.to(dt))), (dt, hw)
     # fp32 -> fp8 e4m3fn: every code, every midpoint (ties), random values, subnormal range
     codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(R.FP8_DTYPE).float()
     codes = codes[~codes.isnan()].sort().values

@@ -115,6 +115,12 @@ NUM_WARPS_OVERRIDE: dict = {}
 _MEASURED_NUM_WARPS = {4096: 4}
 
 
+#: Rounding to bf16 by the GPU's conversion instruction (compiled kernels; the interpreter always
+#: rounds by integer arithmetic, :func:`_round_bf16`).  Both round to nearest even, so the bits are
+#: the same; ``False`` forces the integer rounding on a GPU too (a test and benchmark hook).
+BF16_HW_CAST = True
+
+
 def _num_warps(block: int) -> int:
     if block in NUM_WARPS_OVERRIDE:
         return NUM_WARPS_OVERRIDE[block]
@@ -181,7 +187,7 @@ def _kernel_params(op: str, hidden: int, max_block: int, invariant: bool, group_
     block = _block(hidden, max_block, invariant)
     rows = _rows_per_program(block)
     return rows, dict(H=hidden, BLOCK=block, NUM_CHUNKS=-(-hidden // block), ROWS=rows, HAS_RESIDUAL=has_residual,
-                      QUANT=_QUANT[op], GROUP=group_size, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+                      QUANT=_QUANT[op], GROUP=group_size, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, HW_CAST=knobs[3],
                       num_warps=_num_warps(block))
 
 
@@ -201,10 +207,16 @@ def _round_bf16(v):
 
 
 @triton.jit
-def _round(v, DTYPE: tl.constexpr):
-    """fp32 -> fp32 holding ``(DTYPE)v`` (round to nearest even)."""
+def _round(v, DTYPE: tl.constexpr, HW_CAST: tl.constexpr):
+    """fp32 -> fp32 holding ``(DTYPE)v`` (round to nearest even).  ``HW_CAST`` (compiled for a
+    GPU): bf16 by the hardware's conversion (``cvt.rn``, two values per instruction), which
+    rounds to nearest even like :func:`_round_bf16` and costs a few times fewer instructions
+    per element; under the interpreter by :func:`_round_bf16`."""
     if DTYPE == tl.bfloat16:
-        return _round_bf16(v)
+        if HW_CAST:
+            return _to_f32(v.to(tl.bfloat16))
+        else:
+            return _round_bf16(v)
     elif DTYPE == tl.float16:
         return v.to(tl.float16).to(tl.float32)
     else:
@@ -212,10 +224,14 @@ def _round(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _from_f32(v, DTYPE: tl.constexpr):
-    """fp32 that already holds a DTYPE value -> DTYPE, exactly (bf16: keep the top 16 bits)."""
+def _from_f32(v, DTYPE: tl.constexpr, HW_CAST: tl.constexpr):
+    """fp32 that already holds a DTYPE value -> DTYPE, exactly (bf16: keep the top 16 bits, or
+    the hardware's conversion, exact for such a value, when ``HW_CAST``)."""
     if DTYPE == tl.bfloat16:
-        return (v.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        if HW_CAST:
+            return v.to(tl.bfloat16)
+        else:
+            return (v.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return v.to(DTYPE)
 
@@ -238,13 +254,13 @@ def _round_fp8e4m3(v):
 
 
 @triton.jit
-def _load_chunk(x_ptr, res_ptr, res_out_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr):
+def _load_chunk(x_ptr, res_ptr, res_out_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr, HW_CAST: tl.constexpr):
     """fp32 values of one chunk of the input; with a residual: z = (dtype)(x + r), stored."""
     x = _to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
     if HAS_RESIDUAL:
         r = _to_f32(tl.load(res_ptr + offs, mask=mask, other=0.0))
-        x = _round(x + r, res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + offs, _from_f32(x, res_out_ptr.dtype.element_ty), mask=mask)
+        x = _round(x + r, res_out_ptr.dtype.element_ty, HW_CAST)
+        tl.store(res_out_ptr + offs, _from_f32(x, res_out_ptr.dtype.element_ty, HW_CAST), mask=mask)
     return x
 
 
@@ -265,14 +281,14 @@ def _load_weight(w_ptr, scale_ptr, cols, H: tl.constexpr, QUANT: tl.constexpr):
 @triton.jit
 def _finish_chunk(x, s, w, inv, out_ptr, scales_ptr, rows, row_mask, start, offs, mask,
                   H: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
-                  GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                  GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, HW_CAST: tl.constexpr):
     """y = (dtype)((dtype)(x*s) * w), then store it (QUANT 0), its static fp8 quantization
     (QUANT 1, ``inv`` = 1 / scale) or its per-group dynamic fp8 quantization and the group
     scales (QUANT 2).  ``w``, ``inv``: from :func:`_load_weight`."""
-    xs = _round(x * s[:, None], w.dtype)
-    y = _round(xs * _to_f32(w), w.dtype)
+    xs = _round(x * s[:, None], w.dtype, HW_CAST)
+    y = _round(xs * _to_f32(w), w.dtype, HW_CAST)
     if QUANT == 0:
-        tl.store(out_ptr + offs, _from_f32(y, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offs, _from_f32(y, out_ptr.dtype.element_ty, HW_CAST), mask=mask)
     elif QUANT == 1:
         q = _round_fp8e4m3(tl.minimum(tl.maximum(y * inv, -FP8_MAX), FP8_MAX))
         tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
@@ -296,7 +312,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, sca
                      n_rows, eps,
                      H: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                      ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
-                     GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                     GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                     HW_CAST: tl.constexpr):
     """ROWS rows per program.  A row's sum of squares: ``acc[j] = sum_k x[k*BLOCK + j]^2``
     (chunks in order), then ``tl.sum(acc)``; so the tree is fixed by (BLOCK, NUM_CHUNKS)."""
     pid = tl.program_id(0)
@@ -307,17 +324,17 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, sca
     if NUM_CHUNKS == 1:  # the whole row in registers: one read, one write
         mask = row_mask[:, None] & (cols0 < H)
         w, inv = _load_weight(w_ptr, scale_ptr, cols0, H, QUANT)
-        x = _load_chunk(x_ptr, res_ptr, res_out_ptr, row_offs + cols0, mask, HAS_RESIDUAL)
+        x = _load_chunk(x_ptr, res_ptr, res_out_ptr, row_offs + cols0, mask, HAS_RESIDUAL, HW_CAST)
         ss = tl.sum(x * x, axis=1)
         s = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, tl.full((ROWS,), H, tl.float32)) + eps))
         _finish_chunk(x, s, w, inv, out_ptr, scales_ptr, rows, row_mask, 0, row_offs + cols0, mask,
-                      H, BLOCK, ROWS, QUANT, GROUP, FP8_MAX, MIN_SCALE)
+                      H, BLOCK, ROWS, QUANT, GROUP, FP8_MAX, MIN_SCALE, HW_CAST)
     else:
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for k in range(NUM_CHUNKS):
             cols = k * BLOCK + cols0
             mask = row_mask[:, None] & (cols < H)
-            x = _load_chunk(x_ptr, res_ptr, res_out_ptr, row_offs + cols, mask, HAS_RESIDUAL)
+            x = _load_chunk(x_ptr, res_ptr, res_out_ptr, row_offs + cols, mask, HAS_RESIDUAL, HW_CAST)
             acc += x * x
         ss = tl.sum(acc, axis=1)
         s = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, tl.full((ROWS,), H, tl.float32)) + eps))
@@ -331,12 +348,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, sca
                 x = _to_f32(tl.load(x_ptr + row_offs + cols, mask=mask, other=0.0))
             w, inv = _load_weight(w_ptr, scale_ptr, cols, H, QUANT)
             _finish_chunk(x, s, w, inv, out_ptr, scales_ptr, rows, row_mask, k * BLOCK, row_offs + cols, mask,
-                          H, BLOCK, ROWS, QUANT, GROUP, FP8_MAX, MIN_SCALE)
+                          H, BLOCK, ROWS, QUANT, GROUP, FP8_MAX, MIN_SCALE, HW_CAST)
 
 
 def _launch(op, x, residual, residual_out, weight, out, scale, scales, eps, group_size, invariant):
     n, h = x.shape
-    knobs = (_INTERPRET_MAX_ROWS, _INTERPRET_TILE, tuple(NUM_WARPS_OVERRIDE.items()))
+    knobs = (_INTERPRET_MAX_ROWS, _INTERPRET_TILE, tuple(NUM_WARPS_OVERRIDE.items()), BF16_HW_CAST and not INTERPRET)
     rows, kw = _kernel_params(op, h, _max_block(n, op, invariant), invariant, group_size, residual is not None, knobs)
     _rms_norm_kernel[(-(-n // rows),)](
         x, residual if residual is not None else x, residual_out if residual_out is not None else x,
