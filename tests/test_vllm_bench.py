@@ -586,6 +586,23 @@ def test_gaps_and_summary_of_a_synthetic_trace():
     assert g["span_us"] == 270.0 and g["busy_us"] == 50.0 and g["idle_us"] == 220.0 and g["gaps"] == 3
     assert g["gaps_over_10us"] == 2 and g["gaps_over_100us"] == 1 and g["median_gap_us"] == 15.0
     assert g["largest_gaps_us"] == [200.0, 15.0, 5.0] and g["idle_fraction"] == pytest.approx(220 / 270)
+    assert [(n["us"], n["after"], n["before"]) for n in g["largest"]] == [
+        (200.0, "Memcpy HtoD", "_attn_split_kernel"), (15.0, "_attn_split_kernel", "elementwise"),
+        (5.0, "_rms_norm_kernel", "Memcpy HtoD")]
+    assert g["idle_in_gaps_over_1ms_us"] == 0.0 and all(n["host"] == [] for n in g["largest"])
+    # the host's work during a gap, by overlap: a long op call (a kernel loaded on first use) and its launch
+    host = [{"name": "ProfilerStep#1", "cat": "user_annotation", "ts": -10.0, "dur": 400.0},
+            {"name": "batch_invariance_kit::linear", "cat": "cpu_op", "ts": 30.0, "dur": 1190.0},
+            {"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": 215.0, "dur": 12.0},
+            {"name": "aten::empty", "cat": "cpu_op", "ts": 400.0, "dur": 1.0}]
+    late = ev[:3] + [dict(ev[3], ts=1225.0), dict(ev[4], ts=1265.0)]  # the 200 us gap grows to 1200 us
+    s = SP.summarize(late + host)
+    big = s["gaps"]["largest"][0]
+    assert big["us"] == 1200.0 and s["gaps"]["idle_in_gaps_over_1ms_us"] == 1200.0
+    assert big["host"] == [{"name": "batch_invariance_kit::linear", "us": 1190.0},
+                           {"name": "ProfilerStep#1", "us": 365.0}, {"name": "cudaLaunchKernel", "us": 12.0},
+                           {"name": "aten::empty", "us": 1.0}]
+    assert s["kernels"] == 4  # host events count in no family
     s = SP.summarize(ev)
     assert s["kernels"] == 4 and s["copies"] == 1 and s["kernel_time_us"] == 50.0 and s["copy_time_us"] == 5.0
     f = s["families"]

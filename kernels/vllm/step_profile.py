@@ -16,7 +16,10 @@ written to ``DIR/vllm_profile.json``: one row per (model, mode, scenario) with
   its share of the kernel time, and the heaviest kernels of the family;
 * ``gaps``: the device timeline's busy time (the union of kernels and copies), the idle time
   between them (the host's share of the step: launches, Python, synchronisations), the number of
-  gaps above 10 and 100 microseconds, the median gap and the largest ones;
+  gaps above 10 and 100 microseconds and the idle time in gaps above 1 ms, the median gap and the
+  largest ones; each of the largest named by the device work before and after it and by the
+  host's work during it (the profiler's host events that overlap the gap, by overlap: operators,
+  CUDA runtime and driver calls such as a kernel's module load);
 * the window's wall time and the run's tokens.
 
 The summary (:func:`summarize`) reads the profiler's Chrome trace (:func:`read_trace`), so it is
@@ -48,8 +51,14 @@ _COMPILED = tuple((fam, re.compile(p)) for fam, p in PATTERNS)
 #: Trace categories of device work: kernels (their family by name) and copies (busy time only).
 KERNEL_CATEGORIES = ("kernel",)
 COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
+#: Trace categories of host work that may fill a device gap (:func:`gaps`' attribution).
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
 #: Gap sizes counted (microseconds).
 GAP_THRESHOLDS_US = (10.0, 100.0)
+#: Gaps at least this long (microseconds) have their idle time summed apart (``idle_in_gaps_over_1ms_us``).
+LONG_GAP_US = 1000.0
+#: The largest gaps listed with their neighbours and the host's work during them.
+NAMED_GAPS = 8
 
 
 def kernel_family(name: str) -> str:
@@ -75,37 +84,60 @@ def read_trace(path, categories=KERNEL_CATEGORIES + COPY_CATEGORIES) -> list:
     return sorted(out, key=lambda e: e["ts"])
 
 
-def gaps(events: list) -> dict:
+def gaps(events: list, host: list = ()) -> dict:
     """The device timeline of ``events`` (``ts``, ``dur`` in microseconds): ``span_us`` (first start
     to last end), ``busy_us`` (the union of the events), ``idle_us`` and ``idle_fraction`` (the gaps
-    between them), their count, the gaps above each of :data:`GAP_THRESHOLDS_US`, the median gap
-    and the five largest."""
-    ev = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events), key=lambda t: t[0])
+    between them), their count, the gaps above each of :data:`GAP_THRESHOLDS_US`, the idle time in
+    gaps of at least :data:`LONG_GAP_US`, the median gap and the five largest (``largest_gaps_us``).
+    ``largest``: the :data:`NAMED_GAPS` largest gaps, each with ``us``, ``after`` and ``before`` (the
+    names of the device events that end last before it and start it) and ``host``: the names of the
+    ``host`` events (:data:`HOST_CATEGORIES`) that overlap it, with their overlap, most first (five)."""
+    ev = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "")) for e in events),
+                key=lambda t: t[0])
     if not ev:
         return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "idle_fraction": None, "gaps": 0,
-                **{f"gaps_over_{int(t)}us": 0 for t in GAP_THRESHOLDS_US}, "median_gap_us": None, "largest_gaps_us": []}
-    busy, gap_list = 0.0, []
-    start, end = ev[0]
-    for s, e in ev[1:]:
+                **{f"gaps_over_{int(t)}us": 0 for t in GAP_THRESHOLDS_US}, "idle_in_gaps_over_1ms_us": 0.0,
+                "median_gap_us": None, "largest_gaps_us": [], "largest": []}
+    busy, found = 0.0, []  # (gap, its start, its end, name of the event ending last before, name after)
+    start, end, last = ev[0][0], ev[0][1], ev[0][2]
+    for s, e, name in ev[1:]:
         if s > end:
             busy += end - start
-            gap_list.append(s - end)
-            start, end = s, e
-        else:
-            end = max(end, e)
+            found.append((s - end, end, s, last, name))
+            start, end, last = s, e, name
+        elif e >= end:
+            end, last = e, name
     busy += end - start
-    span = max(e for _, e in ev) - ev[0][0]
+    span = max(e for _, e, _ in ev) - ev[0][0]
+    gap_list = [g[0] for g in found]
     idle = sum(gap_list)
+    named = [{"us": g, "after": a[:160], "before": b[:160], "host": _overlapping(host, lo, hi)}
+             for g, lo, hi, a, b in sorted(found, key=lambda g: -g[0])[:NAMED_GAPS]]
     return {"span_us": span, "busy_us": busy, "idle_us": idle, "idle_fraction": idle / span if span else None,
             "gaps": len(gap_list), **{f"gaps_over_{int(t)}us": sum(g > t for g in gap_list) for t in GAP_THRESHOLDS_US},
+            "idle_in_gaps_over_1ms_us": sum(g for g in gap_list if g >= LONG_GAP_US),
             "median_gap_us": statistics.median(gap_list) if gap_list else None,
-            "largest_gaps_us": sorted(gap_list, reverse=True)[:5]}
+            "largest_gaps_us": sorted(gap_list, reverse=True)[:5], "largest": named}
+
+
+def _overlapping(host: list, lo: float, hi: float, top: int = 5) -> list:
+    """The names of the ``host`` events overlapping ``[lo, hi]``, with their overlap (summed per
+    name), most first: ``[{"name", "us"}]``."""
+    by = {}
+    for e in host:
+        a, b = max(lo, float(e["ts"])), min(hi, float(e["ts"]) + float(e["dur"]))
+        if b > a:
+            by[e["name"]] = by.get(e["name"], 0.0) + b - a
+    return [{"name": n[:160], "us": t} for n, t in sorted(by.items(), key=lambda kv: -kv[1])[:top]]
 
 
 def summarize(events: list, *, top: int = 3) -> dict:
     """Kernel time per family (:func:`kernel_family`) and the timeline's gaps (:func:`gaps`) of a
-    trace's device events (:func:`read_trace`); copies count as busy time, not as a family."""
-    kernels = [e for e in events if e.get("cat") in KERNEL_CATEGORIES]
+    trace's events (:func:`read_trace`): copies count as busy time, not as a family; host events
+    (:data:`HOST_CATEGORIES`) only name what the host did during the largest gaps."""
+    device = [e for e in events if e.get("cat") in KERNEL_CATEGORIES + COPY_CATEGORIES]
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES]
+    kernels = [e for e in device if e.get("cat") in KERNEL_CATEGORIES]
     total = sum(e["dur"] for e in kernels)
     fams = {f: {"kernels": 0, "time_us": 0.0, "share": None, "top": {}} for f in FAMILIES}
     for e in kernels:
@@ -118,7 +150,7 @@ def summarize(events: list, *, top: int = 3) -> dict:
         f["top"] = [{"name": n[:160], "time_us": t} for n, t in sorted(f["top"].items(), key=lambda kv: -kv[1])[:top]]
     copies = [e for e in events if e.get("cat") in COPY_CATEGORIES]
     return {"kernels": len(kernels), "kernel_time_us": total, "copies": len(copies),
-            "copy_time_us": sum(e["dur"] for e in copies), "families": fams, "gaps": gaps(events)}
+            "copy_time_us": sum(e["dur"] for e in copies), "families": fams, "gaps": gaps(device, host)}
 
 
 def profile_table(rows: list) -> str:
@@ -156,7 +188,7 @@ def profile_call(fn) -> dict:
             wall = time.perf_counter() - t0
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
-        summary = summarize(read_trace(path))
+        summary = summarize(read_trace(path, KERNEL_CATEGORIES + COPY_CATEGORIES + HOST_CATEGORIES))
     return {"wall_s": wall, "device": "cuda" if cuda else "cpu", **summary}
 
 
