@@ -119,6 +119,32 @@ def test_forward_checks_a_layout_once_then_launches_unchecked(monkeypatch):
             slot_mapping=new, plan=other.plan), torch.empty((q.shape[0], HQ, D), dtype=dtype, device=DEV))
     with pytest.raises(ValueError, match="validate=False needs a plan and out"):
         A.attention(q, *KB.kv_views(kvs[0], HKV, D), bt, seq_lens, qsl, validate=False)
+    # another layout after the memo is checked again (an output of another dtype is named), and the
+    # per-step sizes an unchecked launch relies on are checked on every call
+    with pytest.raises(TypeError, match="out"):
+        impl.forward(None, q, k, v, kvs[1], md, torch.empty((q.shape[0], HQ, D), dtype=torch.float32, device=DEV))
+    short = KB.KitAttentionMetadata(num_actual_tokens=q.shape[0], query_start_loc=qsl, seq_lens=seq_lens,
+                                    block_table=bt, slot_mapping=new[:-1], plan=md.plan)
+    with pytest.raises(ValueError, match="slot_mapping has"):
+        impl.forward(None, q, k, v, kvs[1], short, torch.empty((q.shape[0], HQ, D), dtype=dtype, device=DEV))
+    assert counts["tensors"] == 3
+
+
+def test_write_kv_unchecked_writes_what_the_checked_call_writes():
+    """``write_kv(validate=False)`` stores the bits the checked call stores: int32 and int64 slots,
+    skipped tokens (-1), no tokens, and with the slot range check kept."""
+    dtype = torch.bfloat16
+    key, value = seeded_normal((9, HKV, D), 1, dtype=dtype, device=DEV), seeded_normal((9, HKV, D), 2, dtype=dtype,
+                                                                                        device=DEV)
+    slots = torch.tensor([5, -1, 17, 0, 40, -1, 3, 63, 22], device=DEV)
+    for sl in (slots, slots.to(torch.int32)):
+        for n in (9, 0):
+            got, want = [A.new_cache(4, BS, HKV, D, dtype, device=DEV) for _ in range(2)]
+            A.write_kv(key[:n], value[:n], *want, sl[:n])
+            A.write_kv(key[:n], value[:n], *got, sl[:n], validate=False)
+            assert bitwise_equal(got[0], want[0]) and bitwise_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="slot_mapping holds slots"):
+        A.write_kv(key, value, *A.new_cache(2, BS, HKV, D, dtype, device=DEV), slots, validate=False)
 
 
 def test_variant_plan_is_caught():

@@ -603,6 +603,10 @@ def test_gaps_and_summary_of_a_synthetic_trace():
                            {"name": "ProfilerStep#1", "us": 365.0}, {"name": "cudaLaunchKernel", "us": 12.0},
                            {"name": "aten::empty", "us": 1.0}]
     assert s["kernels"] == 4  # host events count in no family
+    # an enclosing kernel that outlasts a later-starting one stays the name before the next gap
+    g2 = SP.gaps([{"name": "long", "ts": 0.0, "dur": 50.0}, {"name": "short", "ts": 10.0, "dur": 5.0},
+                  {"name": "next", "ts": 1100.0, "dur": 1.0}])
+    assert g2["largest"][0]["after"] == "long" and g2["idle_in_gaps_over_1ms_us"] == 1050.0
     s = SP.summarize(ev)
     assert s["kernels"] == 4 and s["copies"] == 1 and s["kernel_time_us"] == 50.0 and s["copy_time_us"] == 5.0
     f = s["families"]

@@ -40,13 +40,11 @@ ten times per layer per step, and a step that runs without CUDA graphs pays the 
 every call.  ``torch.library.custom_op`` puts Python kernels in front of the body (an autograd
 kernel on every op, a version-counter kernel on the mutating ones), each a Python call and a
 redispatch; a schema with backend kernels goes from the dispatcher to the body through one thin
-Python wrapper (the grad check, and the version bumps of the mutating ops).  Measured on a CPU
-with the Triton launches stubbed out (host cost only; torch 2.13, median of 11 rounds of 3000
-calls, against calling the Python body directly, three runs), going through the dispatcher cost
-``linear`` +13.4 to +15.0 us with ``custom_op`` and +3.1 to +3.6 us with this registration,
-``rms_norm`` +11.6 to +13.2 us against +3.3 to +3.6 us, ``fused_add_rms_norm_`` +26.9 to +29.2
-us against +3.9 to +4.2 us.  Of the latter figures the wrapper takes about 0.3 us (about 1.1 us
-for the in-place op, with its two version bumps).
+Python wrapper (the grad check, and the version bumps of the mutating ops): a few microseconds
+per call instead of a dozen or more (``tools/oneoff/host_cost.py`` times each op's call through
+the dispatcher beside the kit function under it).  Kernels are registered for the ``CPU`` and
+``CUDA`` keys (ROCm builds dispatch through ``CUDA``); a tensor of another backend gets torch's
+error that the op has no kernel for it.  Every op carries ``pt2_compliant_tag``.
 
 Autograd: the ops are for inference and have no derivative.  An op called with grad mode on and
 a tensor argument that requires grad raises a ``RuntimeError`` naming the op and the arguments,
@@ -62,9 +60,10 @@ holds in eager and compiled mode; a CUDA-graph replay runs no Python and is not 
 Importing the module again in the same process (``importlib.reload``, or a new module object
 once the first is gone from ``sys.modules``) defines nothing: the ops of the first import stay
 registered for the process (a reload keeps the ``Library`` that holds them) and the public names
-bind to them.  Their kernels are the first import's functions: after a reload they count in the
-module's :data:`CALLS` (a reload keeps the module's globals), while a new module object's
-:data:`CALLS` does not see them.
+bind to them.  Their kernels are the first import's functions, which count in the first import's
+:data:`CALLS` and run its :data:`ON_CALL` hooks: a reload rebinds both names to new, empty
+objects (hooks such as the vLLM plugin's report writer must be appended again), and a new module
+object's :data:`CALLS` does not see the calls.
 
 Only APIs present in torch 2.4 and later are used (``Library.define``/``impl``, ``register_fake``,
 ``torch.autograd.graph.increment_version`` on one tensor).  The ops take the device metadata of
@@ -151,9 +150,11 @@ def _op(schema: str, fake):
 
     def register(body):
         if not hasattr(_OPS, name):
-            _LIB.define(schema)
+            _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
             args = getattr(_OPS, name).default._schema.arguments
             written = tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+            # the kernel bumps the versions of args[i]: a written argument must always arrive positionally
+            assert all(not args[i].kwarg_only and not args[i].has_default_value() for i in written), schema
             kernel = _inference_only(qualname, body, written)
             for key in ("CPU", "CUDA"):
                 _LIB.impl(name, kernel, key)

@@ -459,13 +459,27 @@ class KitAttentionImpl(AttentionImpl):
         self._checked_layout = None
 
     @staticmethod
-    def _layout(query, key, value, kv_cache, output) -> tuple:
-        """What the checks of a forward read beyond the step's token count: the cache (its storage,
-        shape, strides, dtype, device), the row strides and dtypes of the query, new keys and values
-        and output.  The metadata tensors come from the builder (int32, its own layouts) and the
-        plan is checked against the call on every step."""
-        rows = tuple(None if t is None else (t.dtype, t.stride(), t.shape[1:]) for t in (query, key, value, output))
-        return (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device) + rows
+    def _layout(query, key, value, kv_cache, output, slot_mapping) -> tuple:
+        """What the checks of a forward read beyond the step's sizes: the cache (its storage,
+        shape, strides, dtype, device), the dtype, device, row strides and trailing shape of the
+        query, new keys and values and output, and the slot mapping's dtype and device.  The
+        sizes that change per step are checked on every call (:meth:`_check_sizes`), the plan
+        against the call by :func:`~batch_invariance_kit.ops.attention.attention`."""
+        rows = tuple(None if t is None else (t.dtype, t.device, t.stride(), t.shape[1:])
+                     for t in (query, key, value, output))
+        return (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
+                slot_mapping.dtype, slot_mapping.device) + rows
+
+    @staticmethod
+    def _check_sizes(md, n: int) -> None:
+        """The per-step sizes an unchecked launch relies on: a slot per new token, a block-table
+        row per sequence, ``num_seqs + 1`` query offsets (a few integer comparisons)."""
+        s = md.seq_lens.shape[0]
+        if md.slot_mapping.shape[0] < n:
+            raise ValueError(f"slot_mapping has {md.slot_mapping.shape[0]} entries for {n} tokens")
+        if md.block_table.shape[0] != s or md.query_start_loc.shape[0] != s + 1:
+            raise ValueError(f"block_table has {md.block_table.shape[0]} rows and query_start_loc "
+                             f"{md.query_start_loc.shape[0]} entries for {s} sequences (want {s} and {s + 1})")
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: KitAttentionMetadata | None, output: torch.Tensor, output_scale=None,
@@ -481,8 +495,10 @@ class KitAttentionImpl(AttentionImpl):
                                "the builder's capacity only")
         n = md.num_actual_tokens
         k_cache, v_cache = kv_views(kv_cache, self.num_kv_heads, self.head_size)
-        layout = self._layout(query, key, value, kv_cache, output)
+        layout = self._layout(query, key, value, kv_cache, output, md.slot_mapping)
         validate = layout != self._checked_layout
+        if not validate:
+            self._check_sizes(md, n)
         new = {}
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             A.write_kv(key[:n], value[:n], k_cache, v_cache, md.slot_mapping[:n], check_slots=False, validate=validate)

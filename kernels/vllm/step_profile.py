@@ -55,7 +55,7 @@ COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
 #: Gap sizes counted (microseconds).
 GAP_THRESHOLDS_US = (10.0, 100.0)
-#: Gaps at least this long (microseconds) have their idle time summed apart (``idle_in_gaps_over_1ms_us``).
+#: Gaps longer than this (microseconds) have their idle time summed apart (``idle_in_gaps_over_1ms_us``).
 LONG_GAP_US = 1000.0
 #: The largest gaps listed with their neighbours and the host's work during them.
 NAMED_GAPS = 8
@@ -88,7 +88,7 @@ def gaps(events: list, host: list = ()) -> dict:
     """The device timeline of ``events`` (``ts``, ``dur`` in microseconds): ``span_us`` (first start
     to last end), ``busy_us`` (the union of the events), ``idle_us`` and ``idle_fraction`` (the gaps
     between them), their count, the gaps above each of :data:`GAP_THRESHOLDS_US`, the idle time in
-    gaps of at least :data:`LONG_GAP_US`, the median gap and the five largest (``largest_gaps_us``).
+    gaps above :data:`LONG_GAP_US`, the median gap and the five largest (``largest_gaps_us``).
     ``largest``: the :data:`NAMED_GAPS` largest gaps, each with ``us``, ``after`` and ``before`` (the
     names of the device events that end last before it and start it) and ``host``: the names of the
     ``host`` events (:data:`HOST_CATEGORIES`) that overlap it, with their overlap, most first (five)."""
@@ -115,14 +115,15 @@ def gaps(events: list, host: list = ()) -> dict:
              for g, lo, hi, a, b in sorted(found, key=lambda g: -g[0])[:NAMED_GAPS]]
     return {"span_us": span, "busy_us": busy, "idle_us": idle, "idle_fraction": idle / span if span else None,
             "gaps": len(gap_list), **{f"gaps_over_{int(t)}us": sum(g > t for g in gap_list) for t in GAP_THRESHOLDS_US},
-            "idle_in_gaps_over_1ms_us": sum(g for g in gap_list if g >= LONG_GAP_US),
+            "idle_in_gaps_over_1ms_us": sum(g for g in gap_list if g > LONG_GAP_US),
             "median_gap_us": statistics.median(gap_list) if gap_list else None,
             "largest_gaps_us": sorted(gap_list, reverse=True)[:5], "largest": named}
 
 
 def _overlapping(host: list, lo: float, hi: float, top: int = 5) -> list:
     """The names of the ``host`` events overlapping ``[lo, hi]``, with their overlap (summed per
-    name), most first: ``[{"name", "us"}]``."""
+    name over every thread, nested events each counted: an enclosing step annotation overlaps the
+    whole gap), most first: ``[{"name", "us"}]``."""
     by = {}
     for e in host:
         a, b = max(lo, float(e["ts"])), min(hi, float(e["ts"]) + float(e["dur"]))

@@ -1,8 +1,10 @@
 """Host time per call of the ops a vLLM decoder layer calls in kit mode, at a decode batch of a
-Qwen3-8B-shaped layer: each op called back to back many times with no synchronisation, so that
-on a GPU the host, not the device, sets the pace (the device time of one call is printed beside it
-from CUDA events, so a reader can see which one binds).  ``--stub`` replaces the Triton kernels by
-no-ops: the host time of the kit's Python alone (what a CPU run can measure).
+Qwen3-8B-shaped layer: each op called back to back many times, timed on the host clock.  Where a
+call's device work is shorter than its host work this is the host's cost; where it is longer, the
+host waits on the launch queue and the time approaches the device's.  The device time of one call
+is printed beside it, from CUDA-graph replays of the call (no host work between them), so a reader
+can see which one binds.  ``--stub`` replaces the Triton kernels by no-ops: the host time of the
+kit's Python alone (what a CPU run can measure).
 
     python tools/oneoff/host_cost.py [OUT_DIR] [--stub] [--tokens 1000]
 
@@ -110,13 +112,26 @@ def host_us(fn, n=200, rounds=7):
 
 
 def device_us(fn, n=50):
+    """Device time per call from ``n`` replays of a CUDA graph of one call (None on a CPU, with
+    ``--stub``, or where the call cannot be captured)."""
     if not GPU or args.stub:
+        return None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
         return None
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     sync()
     a.record()
     for _ in range(n):
-        fn()
+        graph.replay()
     b.record()
     b.synchronize()
     return a.elapsed_time(b) * 1e3 / n

@@ -1,5 +1,5 @@
 """The invariant RMSNorm kernel rounding to bf16 by the GPU's conversion instruction
-(``ops.rms_norm.BF16_HW_CAST``) against the integer rounding it replaces: the bits of every op of
+(``ops.rms_norm.BF16_HW_CAST``) against the integer rounding (``BF16_HW_CAST = False``): the bits of every op of
 the family at hidden 4096, 5120 and 16384 (one chunk and four), T 1-4096 with random and extreme inputs
 must be equal; both timed beside torch.compile in the same run.
 
