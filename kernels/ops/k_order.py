@@ -31,6 +31,7 @@ import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter
 import triton.language as tl  # noqa: E402
 
 from .tl_numerics import dot_acc, from_f32, to_f32  # noqa: E402
+from .direct_launch import DirectLaunch  # noqa: E402
 
 __all__ = [
     "LONG_K",
@@ -160,5 +161,9 @@ def launch_chunk_reduce(ws, out, bias, M: int, N: int, n_batch: int, sc: tuple, 
     if grid is None:
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), n_batch)
     has_bias = bias is not None
-    chunk_reduce_kernel[grid](ws, out, bias if has_bias else out, M, N, n_batch, *sc, *sbias,
+    _CHUNK_REDUCE(grid, ws, out, bias if has_bias else out, M, N, n_batch, *sc, *sbias,
                               SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=4)
+
+
+#: the eager launch of :func:`chunk_reduce_kernel` (:mod:`.direct_launch`)
+_CHUNK_REDUCE = DirectLaunch(chunk_reduce_kernel)

@@ -79,6 +79,7 @@ import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter
 import triton.language as tl  # noqa: E402
 
 from .tma import descriptor  # noqa: E402
+from .direct_launch import DirectLaunch  # noqa: E402
 
 __all__ = [
     "IMPLS",
@@ -784,10 +785,10 @@ def _launch_tma(a, b, out, bias, plan, p: Product, b_kn):
         ws = torch.empty((P, bm * bn), dtype=torch.float32, device=a.device)
         flags = torch.zeros(P, dtype=torch.int32, device=a.device)
         skw = {k: v for k, v in kw.items() if k not in ("PERSISTENT", "WARP_SPEC")}
-        _mm_stream_k_kernel[(P,)](a_desc, b_desc, out, bias, ws, flags, M, N, K, plan.tiles, sc[1], sc[2], *p.bias,
+        _MM_STREAM_K((P,), a_desc, b_desc, out, bias, ws, flags, M, N, K, plan.tiles, sc[1], sc[2], *p.bias,
                                   B_KN=b_kn, **skw)
         return
-    _mm_tma_kernel[(plan.grid[0],)](a_desc, b_desc, out, bias, M, N, K, plan.tiles, sc[1], sc[2], *p.bias,
+    _MM_TMA((plan.grid[0],), a_desc, b_desc, out, bias, M, N, K, plan.tiles, sc[1], sc[2], *p.bias,
                                     B_KN=b_kn, **kw)
 
 
@@ -834,7 +835,7 @@ def launch(a, b, out, bias, p: Product, *, impl: str = "invariant", config=None)
             return
     split = plan.split
     ws = torch.empty((split, B, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    _mm_kernel[plan.grid](a, b, out, bias, ws, plan.per_split, M, N, K, B, plan.tiles, *p.a, *p.b, *p.c, *p.bias,
+    _MM(plan.grid, a, b, out, bias, ws, plan.per_split, M, N, K, B, plan.tiles, *p.a, *p.b, *p.c, *p.bias,
                           **plan.kw)
     if split > 1:
         launch_chunk_reduce(ws, out, bias if has_bias else None, M, N, B, p.c, p.bias, split,
@@ -987,3 +988,8 @@ def bmm(a, b, *, impl="invariant", out=None, config=None):
     launch(a, b, out, None, Product(B, M, N, a.shape[2], a.stride(), b.stride(), out.stride()), impl=impl,
            config=_config_arg(config))
     return out
+
+
+#: the eager launches of this module's kernels (:mod:`.direct_launch`)
+_MM, _MM_TMA, _MM_STREAM_K = (DirectLaunch(_mm_kernel), DirectLaunch(_mm_tma_kernel),
+                               DirectLaunch(_mm_stream_k_kernel))

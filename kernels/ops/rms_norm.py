@@ -44,6 +44,7 @@ import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter
 import triton.language as tl  # noqa: E402
 
 from .tl_numerics import to_f32 as _to_f32  # noqa: E402
+from .direct_launch import DirectLaunch  # noqa: E402
 
 __all__ = [
     "OPS",
@@ -355,7 +356,7 @@ def _launch(op, x, residual, residual_out, weight, out, scale, scales, eps, grou
     n, h = x.shape
     knobs = (_INTERPRET_MAX_ROWS, _INTERPRET_TILE, tuple(NUM_WARPS_OVERRIDE.items()), BF16_HW_CAST and not INTERPRET)
     rows, kw = _kernel_params(op, h, _max_block(n, op, invariant), invariant, group_size, residual is not None, knobs)
-    _rms_norm_kernel[(-(-n // rows),)](
+    _RMS_NORM((-(-n // rows),),
         x, residual if residual is not None else x, residual_out if residual_out is not None else x,
         weight, out, scale if scale is not None else weight, scales if scales is not None else out,
         n, eps, **kw)
@@ -502,3 +503,7 @@ OPS = {
     "fused_add_rms_norm_static_fp8_quant": fused_add_rms_norm_static_fp8_quant,
     "rms_norm_per_block_quant": rms_norm_per_block_quant,
 }
+
+
+#: the eager launch of :func:`_rms_norm_kernel` (:mod:`.direct_launch`)
+_RMS_NORM = DirectLaunch(_rms_norm_kernel)

@@ -6,7 +6,7 @@ is printed beside it, from CUDA-graph replays of the call (no host work between 
 can see which one binds.  ``--stub`` replaces the Triton kernels by no-ops: the host time of the
 kit's Python alone (what a CPU run can measure).
 
-    python tools/oneoff/host_cost.py [OUT_DIR] [--stub] [--tokens 1000]
+    [KIT_DIRECT_LAUNCH=0] python tools/oneoff/host_cost.py [OUT_DIR] [--stub] [--tokens 1000]
 
 Rows: the op through its torch operator (``torch.ops.batch_invariance_kit``, what vLLM's compiled
 graph calls), the kit's Python function under it, and the peer default vLLM would run
@@ -22,6 +22,7 @@ import batch_invariance_kit  # noqa: F401  (device selection before Triton)
 import triton
 from batch_invariance_kit.ops import attention as A
 from batch_invariance_kit.ops import custom_ops as CO
+from batch_invariance_kit.ops import direct_launch as DL
 from batch_invariance_kit.ops import matmul as MM
 from batch_invariance_kit.ops import rms_norm as RN
 from batch_invariance_kit.ops.attention import cache as AC
@@ -49,6 +50,8 @@ if args.stub:
         for name, v in list(vars(mod).items()):
             if isinstance(v, triton.runtime.jit.KernelInterface):
                 setattr(mod, name, _NoLaunch())
+            elif isinstance(v, DL.DirectLaunch):  # the eager launch wrappers hold the kernel itself
+                v.fn = _NoLaunch()
 
 g = torch.Generator(device=dev).manual_seed(0)
 
@@ -143,9 +146,11 @@ with torch.inference_mode():
         med, lo, hi = host_us(fn)
         dev_t = device_us(fn)
         rows.append({"op": "host_cost", "call": name, "tokens": T, "hidden": H, "stub": args.stub,
+                     "direct_launch": DL.mode(),
                      "host_us": med, "host_min_us": lo, "host_max_us": hi, "device_us": dev_t})
         print(f"{name:<34} host {med:7.1f} us (min {lo:.1f}, max {hi:.1f})"
               + ("" if dev_t is None else f"   device {dev_t:8.1f} us"), flush=True)
 if args.out:
     print(R.save("host_cost", rows, [], folder=args.out,
-                 command="python tools/oneoff/host_cost.py <dir>" + (" --stub" if args.stub else "")))
+                 command=f"KIT_DIRECT_LAUNCH={DL.mode()} python tools/oneoff/host_cost.py <dir>"
+                 + (" --stub" if args.stub else "")))

@@ -21,6 +21,8 @@ from .validate import check_caches, host_list, index_arg
 import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter is chosen first)
 import triton.language as tl  # noqa: E402
 
+from ..direct_launch import DirectLaunch  # noqa: E402
+
 __all__ = ["new_cache", "block_table", "grow_blocks", "allocate_blocks", "slots", "write_kv", "PagedCache"]
 
 
@@ -119,7 +121,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         if lo < -1 or hi >= nb * bs:
             raise ValueError(f"slot_mapping holds slots in [{lo}, {hi}]; the cache has {nb * bs} slots (-1 = skip)")
     iv = _INT_VIEW[key.dtype]
-    _write_kv_kernel[(-(-n // _WRITE_T),)](
+    _WRITE_KV((-(-n // _WRITE_T),),
         key.view(iv), value.view(iv), k_cache.view(iv), v_cache.view(iv),
         slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long(), n,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -263,3 +265,7 @@ class PagedCache:
         kv = dict(zip(("key", "value"), self.new_kv(steps))) if new_kv else {}
         o = attention(q, self.k, self.v, bt, lens, qsl, impl=impl, config=config, out=out, **kv)
         return list(o.split([st[1].shape[0] for st in steps]))
+
+
+#: the eager launch of :func:`_write_kv_kernel` (:mod:`..direct_launch`)
+_WRITE_KV = DirectLaunch(_write_kv_kernel)

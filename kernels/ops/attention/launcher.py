@@ -11,6 +11,7 @@ import torch
 
 from ...device import INTERPRET
 from ..tma import descriptor
+from ..direct_launch import DirectLaunch
 from .kernels import LOG2E, ROW_SUM_COLUMNS, _attn_merge_kernel, _attn_split_kernel
 
 __all__ = ["MERGE_COLUMNS", "FOLD_CHUNK", "workspace", "step_descriptors", "launch"]
@@ -99,7 +100,7 @@ def launch(plan, q, k_cache, v_cache, block_table, scale, out, *, merge: bool = 
         new = key is not None and g is plan.tiles
         kn, vn, qsl = (key, value, query_start_loc) if new else (q, q, g.seq)
         kd, vd = descs if new and descs is not None else (kn, vn)
-        _attn_split_kernel[(g.seq.shape[0], hkv, 1 if g.serial else mp.max_splits)](
+        _ATTN_SPLIT((g.seq.shape[0], hkv, 1 if g.serial else mp.max_splits),
             q, k_cache, v_cache, block_table, g.seq, g.tok, g.rows, g.pos, g.split, mp.rank,
             mp.acc, mp.ml, out, scale if INTERPRET else scale * LOG2E, mp.max_splits, hq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
@@ -112,9 +113,13 @@ def launch(plan, q, k_cache, v_cache, block_table, scale, out, *, merge: bool = 
             num_warps=g.num_warps, num_stages=g.num_stages)
     if merging:
         d_blk = min(d_pad, MERGE_COLUMNS)
-        _attn_merge_kernel[(mp.tokens.shape[0], hq, d_pad // d_blk)](
+        _ATTN_MERGE((mp.tokens.shape[0], hq, d_pad // d_blk),
             mp.acc, mp.ml, out, mp.tokens, mp.pos, mp.split, mp.max_splits, hq,
             out.stride(0), out.stride(1), HEAD_DIM=d, D_PAD=d_pad, D_BLK=d_blk, CHUNK=FOLD_CHUNK, PDL=pdl,
             BASE2=not INTERPRET,
             num_warps=1, **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+#: the eager launches of the attention kernels (:mod:`..direct_launch`)
+_ATTN_SPLIT, _ATTN_MERGE = DirectLaunch(_attn_split_kernel), DirectLaunch(_attn_merge_kernel)

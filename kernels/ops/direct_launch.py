@@ -1,0 +1,255 @@
+"""Launch a compiled Triton kernel again without ``JITFunction.run``'s per-call work.
+
+``kernel[grid](*args, **kw)`` spends most of an eager launch's host time before the launch
+itself: it binds and specialises every argument, turns the specialisation and the options into
+a cache key (``str(options)`` on every call), looks the compiled kernel up, checks the globals it
+read, builds launch metadata for hooks, and only then calls the compiled kernel's launcher.  At a
+decode step run outside CUDA graphs (vLLM replays graphs up to 512 tokens; a batch of 1,000
+sequences runs eagerly) a Qwen3-8B-shaped layer makes about ten such launches, 36 layers a step.
+
+:class:`DirectLaunch` wraps one ``@triton.jit`` function.  Its first launch for an argument
+*signature* goes through Triton (which compiles or finds the kernel); it remembers the compiled
+kernel under that signature and calls the kernel's launcher directly from then on, with the same
+arguments, in the order Triton's own launcher receives them (every parameter, constexprs
+included).  The signature is a superset of what Triton specialises on:
+
+* a tensor: its dtype and whether its address is a multiple of 16 bytes;
+* an int: whether it is 1, a multiple of 16, and which of int32 / int64 / uint64 holds it;
+* a float: its type only (Triton passes it as fp32 and never specialises on its value);
+* a host tensor descriptor: its base's dtype and alignment, its block shape, its padding and
+  the int classes of its shape and strides;
+* ``None``, bools and every constexpr or launch option: the value itself;
+* the current device.
+
+So two calls with the same signature get the same kernel from Triton too, and the direct launch
+runs the kernel Triton would run, on the current stream.  It steps aside (the call goes through
+Triton) under the interpreter, for a Triton other than the one whose launch path it follows
+(:data:`SUPPORTED_TRITON`), while launch hooks or pre-run hooks are set, for an argument type it
+does not know, and when ``KIT_DIRECT_LAUNCH=0``.  ``KIT_DIRECT_LAUNCH=check`` runs Triton's
+binder and cache lookup beside every direct launch and raises if either disagrees (the GPU tests
+run in that mode).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..device import INTERPRET
+
+try:  # the knobs and the driver of the Triton releases this module follows
+    from triton import knobs as _knobs
+    from triton.runtime import driver as _driver
+except ImportError:  # pragma: no cover - an older Triton: every launch goes through Triton
+    _knobs = _driver = None
+
+__all__ = ["DirectLaunch", "SUPPORTED_TRITON", "mode", "set_mode", "stats"]
+
+#: The Triton releases whose launch path (``JITFunction.run`` -> ``CompiledKernel.run``) this
+#: module follows; under any other the wrapped kernels launch through Triton.
+SUPPORTED_TRITON = ("3.6",)
+
+_MODES = ("on", "off", "check")
+#: Signatures remembered per kernel; past it the memo starts over (a process that sees this many
+#: distinct launch signatures of one kernel is not one a memo helps).
+MAX_SIGNATURES = 4096
+
+_I32 = (-(2 ** 31), 2 ** 31 - 1)
+_U64 = 2 ** 63
+
+
+def _env_mode() -> str:
+    m = os.environ.get("KIT_DIRECT_LAUNCH", "on").strip().lower() or "on"
+    m = {"1": "on", "0": "off"}.get(m, m)
+    if m not in _MODES:
+        raise ValueError(f"KIT_DIRECT_LAUNCH must be one of on, off, check, 1, 0; got {m!r}")
+    return m
+
+
+_mode = _env_mode()
+_stats = {"direct": 0, "through_triton": 0, "checked": 0}
+
+
+def mode() -> str:
+    """``"on"``, ``"off"`` or ``"check"`` (from ``KIT_DIRECT_LAUNCH``, or :func:`set_mode`)."""
+    return _mode
+
+
+def set_mode(m: str) -> str:
+    """Set the mode for this process; returns the previous one."""
+    global _mode
+    if m not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {m!r}")
+    prev, _mode = _mode, m
+    return prev
+
+
+def stats() -> dict:
+    """Counts of launches made directly, through Triton, and checked against Triton's lookup."""
+    return dict(_stats)
+
+
+def _triton_supported() -> bool:
+    if _knobs is None:
+        return False
+    return any(triton.__version__ == v or triton.__version__.startswith(v + ".") for v in SUPPORTED_TRITON)
+
+
+_SUPPORTED = _triton_supported() and not INTERPRET
+
+
+class _Unsupported(Exception):
+    """An argument whose specialisation this module does not model."""
+
+
+def _int_class(v: int) -> int:
+    return ((v == 1) | ((v & 15) == 0) << 1 | (_I32[0] <= v <= _I32[1]) << 2 | (v >= _U64) << 3)
+
+
+def _spec(a):
+    """The part of the signature that argument ``a`` contributes (see the module docstring)."""
+    t = type(a)
+    if t is torch.Tensor or isinstance(a, torch.Tensor):
+        return (a.dtype, (a.data_ptr() & 15) == 0)
+    if t is int:
+        return _int_class(a)
+    if t is float:
+        return float
+    if a is None or t is bool:
+        return a
+    if t.__name__ == "TensorDescriptor":
+        return ("desc", a.base.dtype, (a.base.data_ptr() & 15) == 0, tuple(a.block_shape),
+                getattr(a, "padding", None), tuple(_int_class(int(s)) for s in a.shape),
+                tuple(_int_class(int(s)) for s in a.strides))
+    raise _Unsupported(t.__name__)
+
+
+class _Layout:
+    """How a call's ``(args, kw)`` map onto the kernel's parameters, per (positional count,
+    keyword names): the parameters after the positional ones (each filled from ``kw`` or its
+    default), which positional arguments and keywords are constexprs, and whether any keyword is a
+    runtime argument (whose value the signature must not hold)."""
+
+    def __init__(self, fn, n_args: int, kw_names: tuple):
+        params = list(fn.params)
+        if n_args > len(params):
+            raise _Unsupported("too many positional arguments")
+        by_name = {p.name: p for p in params}
+        self.tail = []
+        for p in params[n_args:]:
+            if p.name in kw_names:
+                self.tail.append((p.name, None))
+            elif p.has_default:
+                self.tail.append((None, p.default))
+            else:
+                raise _Unsupported(f"missing argument {p.name}")
+        self.pos_const = tuple(i for i, p in enumerate(params[:n_args]) if p.is_constexpr)
+        # per keyword: True = its value enters the signature (a constexpr or a launch option)
+        self.kw_const = tuple(k not in by_name or by_name[k].is_constexpr for k in kw_names)
+        self.kw_runtime = not all(self.kw_const)
+
+    def signature(self, args, kw) -> tuple:
+        """What the call contributes to the signature beyond its layout and device."""
+        if self.pos_const:
+            pos = tuple([a if i in self.pos_const else _spec(a) for i, a in enumerate(args)])
+        else:
+            pos = tuple([(a.dtype, (a.data_ptr() & 15) == 0) if type(a) is torch.Tensor else _spec(a)
+                         for a in args])
+        if self.kw_runtime:
+            kws = tuple([v if c else _spec(v) for v, c in zip(kw.values(), self.kw_const)])
+        else:
+            kws = tuple(kw.values())
+        return pos, kws
+
+    def tail_values(self, kw) -> tuple:
+        return tuple([kw[n] if n is not None else d for n, d in self.tail])
+
+
+class DirectLaunch:
+    """``DirectLaunch(fn)(grid, *args, **kw)`` launches ``fn[grid](*args, **kw)`` (see the module
+    docstring).  ``grid`` is a tuple of one to three ints."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._layouts: dict = {}
+        #: signature -> (compiled kernel, the parameters after the positional ones, or None when
+        #: a runtime keyword makes them differ per call)
+        self._kernels: dict = {}
+
+    def __repr__(self):
+        return f"DirectLaunch({getattr(self.fn, '__name__', self.fn)!r})"
+
+    def __call__(self, grid, *args, **kw):
+        if not _SUPPORTED or _mode == "off" or type(grid) is not tuple or _hooks_set(self.fn):
+            return self._through_triton(grid, args, kw)
+        lk = (len(args), tuple(kw))
+        try:
+            lay = self._layouts.get(lk)
+            if lay is None:
+                lay = self._layouts[lk] = _Layout(self.fn, len(args), lk[1])
+            device = _current_device()
+            key = (lk, device, *lay.signature(args, kw))
+            entry = self._kernels.get(key)
+        except (_Unsupported, TypeError):  # an argument this module does not model, an unhashable constexpr
+            return self._through_triton(grid, args, kw)
+        if entry is None:
+            kernel = self._through_triton(grid, args, kw)
+            if getattr(kernel, "packed_metadata", None) is None:  # not a compiled kernel (a stand-in run)
+                return kernel
+            if len(self._kernels) >= MAX_SIGNATURES:
+                self._kernels.clear()
+            self._kernels[key] = (kernel, None if lay.kw_runtime else lay.tail_values(kw))
+            return kernel
+        kernel, tail = entry
+        full = args + (lay.tail_values(kw) if tail is None else tail)
+        _launch(kernel, grid, full, device)
+        if _mode == "check":
+            self._check(kernel, args, kw, full, device)
+        _stats["direct"] += 1
+        return kernel
+
+    def _through_triton(self, grid, args, kw):
+        _stats["through_triton"] += 1
+        return self.fn[grid](*args, **kw)
+
+    def _check(self, kernel, args, kw, full, device):
+        """Triton's own binder and cache lookup for this call: the same kernel, the same arguments."""
+        from triton.runtime.jit import compute_cache_key
+        kw = dict(kw)
+        kw["debug"] = kw.get("debug", self.fn.debug) or _knobs.runtime.debug
+        kw["instrumentation_mode"] = _knobs.compilation.instrumentation_mode
+        kernel_cache, key_cache, _, _, binder = self.fn.device_caches[device]
+        bound, specialization, options = binder(*args, **kw)
+        theirs = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
+        if theirs is not kernel:
+            raise AssertionError(f"{self!r}: the remembered kernel is not the one Triton looks up for this call")
+        values = list(bound.values())
+        if len(values) != len(full) or not all(_same(a, b) for a, b in zip(values, full)):
+            raise AssertionError(f"{self!r}: the direct launch's arguments differ from Triton's bound arguments")
+        _stats["checked"] += 1
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return type(a) is type(b) and a == b
+
+
+def _hooks_set(fn) -> bool:
+    rt = _knobs.runtime
+    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None or bool(fn.pre_run_hooks)
+
+
+def _current_device() -> int:
+    return _driver.active.get_current_device()
+
+
+def _launch(kernel, grid, full, device) -> None:
+    """The compiled kernel's launcher, called as ``JITFunction.run`` calls it (no launch hooks)."""
+    stream = _driver.active.get_current_stream(device)
+    n = len(grid)
+    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
+               kernel.packed_metadata, None, None, None, *full)

@@ -1,0 +1,302 @@
+"""The direct launch (:mod:`batch_invariance_kit.ops.direct_launch`): a remembered kernel is
+launched only for a call that Triton would give the same kernel, with the arguments Triton's
+launcher would receive.
+
+On the CPU the kernels run under the interpreter, where the direct launch steps aside; so these
+tests drive :class:`DirectLaunch` with a model of ``JITFunction``: a function whose
+``fn[grid](*args, **kw)`` specialises as Triton does (a tensor's dtype and 16-byte alignment, an
+int being 1 or a multiple of 16 and its width, the constexprs' and options' values) and returns
+one compiled kernel per specialisation, whose launcher records what it was called with.  A random
+sequence of calls must launch, every time, the kernel the model picks (and a direct launch that
+ignores alignment, the negative control, must fail the same check).  On the GPU,
+``KIT_DIRECT_LAUNCH=check`` compares every direct launch with Triton's own lookup (``gpu`` test
+below, and every GPU test run in that mode).
+"""
+import random
+import types
+
+import pytest
+import torch
+
+import batch_invariance_kit
+from batch_invariance_kit.ops import direct_launch as DL
+
+
+class _Param:
+    def __init__(self, name, constexpr=False, default=DL._Unsupported):
+        self.name, self.is_constexpr = name, constexpr
+        self.has_default = default is not DL._Unsupported
+        self.default = default if self.has_default else None
+
+
+class _Kernel:
+    """A compiled kernel of the model: its launcher records each call."""
+
+    def __init__(self, spec):
+        self.spec, self.calls = spec, []
+        self.function, self.packed_metadata = object(), ("meta", spec)
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+def _triton_spec(a):
+    if isinstance(a, torch.Tensor):
+        return ("*", a.dtype, a.data_ptr() % 16 == 0)
+    if type(a) is bool:
+        return "i1"
+    if type(a) is int:
+        if a == 1:
+            return ("constexpr", 1)
+        return ("i32" if -2 ** 31 <= a < 2 ** 31 else "i64", a % 16 == 0)
+    if type(a) is float:
+        return "fp32"
+    if a is None:
+        return ("constexpr", None)
+    raise TypeError(type(a))
+
+
+class _ModelJIT:
+    """``fn[grid](*args, **kw)`` as Triton 3.6 runs it, for the parts the direct launch relies on."""
+
+    OPTIONS = ("num_warps", "num_stages")
+
+    def __init__(self, params):
+        self.params = params
+        self.pre_run_hooks = []
+        self.kernels = {}
+        self.through = []  # (grid, kernel) per launch through the model's run path
+
+    def bind(self, args, kw):
+        names = [p.name for p in self.params]
+        for k in kw:
+            if k not in names and k not in self.OPTIONS:
+                raise KeyError(k)
+        vals = list(args)
+        for p in self.params[len(args):]:
+            vals.append(kw[p.name] if p.name in kw else p.default)
+        spec = tuple(("c", v) if p.is_constexpr else _triton_spec(v) for p, v in zip(self.params, vals))
+        return vals, spec + tuple((k, kw[k]) for k in self.OPTIONS if k in kw)
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            vals, spec = self.bind(args, kw)
+            kernel = self.kernels.setdefault(repr(spec), _Kernel(spec))  # repr: a list constexpr too
+            g = grid(dict(zip([p.name for p in self.params], vals))) if callable(grid) else grid
+            g = tuple(g) + (1,) * (3 - len(g))
+            kernel.run(*g, "stream", kernel.function, kernel.packed_metadata, None, None, None, *vals)
+            self.through.append((grid, kernel))
+            return kernel
+        return run
+
+
+@pytest.fixture
+def model(monkeypatch):
+    """A DirectLaunch over a model kernel, in the mode where it launches directly."""
+    monkeypatch.setattr(DL, "_SUPPORTED", True)
+    monkeypatch.setattr(DL, "_current_device", lambda: 0)
+    monkeypatch.setattr(DL, "_driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_stream=lambda device: "stream")))
+    monkeypatch.setattr(DL, "_knobs", types.SimpleNamespace(runtime=types.SimpleNamespace(
+        launch_enter_hook=None, launch_exit_hook=None)))
+    prev = DL.set_mode("on")
+    fn = _ModelJIT([_Param("x"), _Param("w"), _Param("out"), _Param("n"), _Param("eps"),
+                    _Param("flag", default=False), _Param("BLOCK", constexpr=True),
+                    _Param("ROWS", constexpr=True, default=4)])
+    yield fn, DL.DirectLaunch(fn)
+    DL.set_mode(prev)
+
+
+def _tensors(dtype=torch.float32, offset=0, n=64):
+    base = torch.zeros(n * 4 + 16, dtype=dtype)
+    return base[offset:offset + n], base[offset:offset + n], base[offset:offset + n]
+
+
+def test_second_call_launches_directly_with_every_parameter(model):
+    fn, dl = model
+    x, w, out = _tensors()
+    k1 = dl((3,), x, w, out, 64, 1e-6, BLOCK=32, num_warps=4)
+    assert len(fn.through) == 1
+    before = DL.stats()["direct"]
+    k2 = dl((3,), x, w, out, 96, 1e-5, BLOCK=32, num_warps=4)
+    assert k2 is k1 and len(fn.through) == 1 and DL.stats()["direct"] == before + 1
+    # grid padded to three, the current stream, the kernel's handles, no hooks, then every
+    # parameter in order: positional ones, the defaulted runtime flag, BLOCK from kw, ROWS' default
+    assert k1.calls[-1] == (3, 1, 1, "stream", k1.function, k1.packed_metadata, None, None, None,
+                            x, w, out, 96, 1e-5, False, 32, 4)
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "n_is_1", "n_mult_16", "n_int64", "constexpr",
+                                    "option", "none", "runtime_kw"])
+def test_a_different_specialisation_goes_through_triton(model, change):
+    fn, dl = model
+    x, w, out = _tensors()
+    dl((2,), x, w, out, 64, 1e-6, BLOCK=32, num_warps=4)
+    args, kw = [x, w, out, 64, 1e-6], dict(BLOCK=32, num_warps=4)
+    if change == "alignment":
+        args[0] = _tensors(offset=1)[0]  # 4 bytes past a 16-byte boundary
+    elif change == "dtype":
+        args[1] = _tensors(torch.bfloat16)[1]
+    elif change == "n_is_1":
+        args[3] = 1
+    elif change == "n_mult_16":
+        args[3] = 65
+    elif change == "n_int64":
+        args[3] = 2 ** 40
+    elif change == "constexpr":
+        kw["BLOCK"] = 64
+    elif change == "option":
+        kw["num_warps"] = 8
+    elif change == "none":
+        args[2] = None
+    elif change == "runtime_kw":
+        kw["flag"] = True
+    dl((2,), *args, **kw)
+    assert len(fn.through) == 2, "a call Triton specialises differently must not reuse the remembered kernel"
+    if change != "runtime_kw":  # Triton does not specialise on a bool's value; the signature does
+        assert fn.through[-1][1] is not fn.through[0][1]
+    dl((2,), *args, **kw)  # and that signature launches directly from then on
+    assert len(fn.through) == 2
+
+
+def _random_call(rng, aligned_only=False):
+    dtype = rng.choice([torch.float32, torch.bfloat16])
+    offs = [0 if aligned_only else rng.choice([0, 0, 1, 8]) for _ in range(3)]
+    x, w, out = (_tensors(dtype, o)[i] for i, o in enumerate(offs))
+    n = rng.choice([1, 2, 16, 17, 32, 1000, 2 ** 33])
+    kw = {"BLOCK": rng.choice([16, 32])}
+    if rng.random() < 0.5:
+        kw["num_warps"] = rng.choice([4, 8])
+    if rng.random() < 0.3:
+        kw["flag"] = rng.random() < 0.5
+    if rng.random() < 0.3:
+        kw["ROWS"] = rng.choice([1, 4])
+    return (rng.choice([(1,), (2, 3), (4, 1, 2)]), [x, w, out, n, rng.random()], kw)
+
+
+def _replay(fn, dl, calls):
+    """Launch each call through ``dl``; return the calls whose launch used another kernel than the
+    model's ``fn[grid]`` picks, or other arguments."""
+    wrong = []
+    for grid, args, kw in calls:
+        vals, spec = fn.bind(args, kw)
+        want = fn.kernels.get(repr(spec))
+        kernel = dl(grid, *args, **kw)
+        if want is not None and kernel is not want:
+            wrong.append((args, kw))
+            continue
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        got = kernel.calls[-1]
+        if got[:3] != g or len(got) != 9 + len(vals) or any(a is not b and a != b for a, b in zip(got[9:], vals)):
+            wrong.append((args, kw))
+    return wrong
+
+
+def test_random_calls_launch_the_kernel_triton_picks(model):
+    fn, dl = model
+    rng = random.Random(0)
+    calls = [_random_call(rng) for _ in range(400)]
+    assert _replay(fn, dl, calls) == []
+    s = DL.stats()
+    assert s["direct"] > 100, s  # most calls repeat a signature and launch directly
+
+
+def test_negative_control_a_signature_without_alignment_is_caught(model, monkeypatch):
+    """The same check fails for a direct launch whose signature leaves out the 16-byte alignment."""
+    fn, dl = model
+    spec = DL._spec
+
+    def no_alignment(a):
+        return a.dtype if isinstance(a, torch.Tensor) else spec(a)
+
+    monkeypatch.setattr(DL, "_spec", no_alignment)
+    monkeypatch.setattr(DL._Layout, "signature", lambda self, args, kw: (
+        tuple(no_alignment(a) for a in args), tuple(kw.values())))
+    rng = random.Random(0)
+    assert _replay(fn, dl, [_random_call(rng) for _ in range(400)]) != []
+    # while with aligned tensors only, the same flawed signature happens to agree
+    fn2 = _ModelJIT(fn.params)
+    dl2 = DL.DirectLaunch(fn2)
+    rng = random.Random(1)
+    assert _replay(fn2, dl2, [_random_call(rng, aligned_only=True) for _ in range(200)]) == []
+
+
+def test_steps_aside(model, monkeypatch):
+    fn, dl = model
+    x, w, out = _tensors()
+    call = lambda: dl((2,), x, w, out, 64, 1e-6, BLOCK=32)  # noqa: E731
+    call()
+    call()
+    assert len(fn.through) == 1
+    DL.set_mode("off")
+    call()
+    assert len(fn.through) == 2
+    DL.set_mode("on")
+    fn.pre_run_hooks.append(lambda *a, **k: None)  # a pre-run hook must see every launch
+    call()
+    assert len(fn.through) == 3
+    fn.pre_run_hooks.clear()
+    DL._knobs.runtime.launch_enter_hook = lambda *a: None  # so must a launch hook
+    call()
+    assert len(fn.through) == 4
+    DL._knobs.runtime.launch_enter_hook = None
+    dl(lambda meta: (2,), x, w, out, 64, 1e-6, BLOCK=32)  # a callable grid
+    assert len(fn.through) == 5
+    dl((2,), x, w, out, 64, 1e-6, BLOCK=[32])  # an unhashable constexpr
+    assert len(fn.through) == 6
+    dl((2,), x, w, out, 64, 1e-6, BLOCK=32, ROWS=object())  # a new constexpr value: a new signature
+    call()  # the first signature still launches directly
+    assert len(fn.through) == 7
+
+
+def test_unknown_argument_type_goes_through_triton(model):
+    fn, dl = model
+    x, w, out = _tensors()
+
+    class Odd:
+        pass
+
+    with pytest.raises(TypeError):  # the model refuses it as Triton would; the direct launch did not hide it
+        dl((2,), x, w, out, Odd(), 1e-6, BLOCK=32)
+    assert DL.stats()["through_triton"] >= 1
+
+
+def test_off_under_the_interpreter_and_mode_errors():
+    if batch_invariance_kit.device.INTERPRET:
+        assert DL._SUPPORTED is False
+    with pytest.raises(ValueError, match="mode"):
+        DL.set_mode("fast")
+
+
+def test_env_mode_parsing(monkeypatch):
+    for raw, want in (("", "on"), ("1", "on"), ("0", "off"), ("check", "check"), (" OFF ", "off")):
+        monkeypatch.setenv("KIT_DIRECT_LAUNCH", raw)
+        assert DL._env_mode() == want
+    monkeypatch.setenv("KIT_DIRECT_LAUNCH", "yes")
+    with pytest.raises(ValueError, match="KIT_DIRECT_LAUNCH"):
+        DL._env_mode()
+
+
+@pytest.mark.gpu
+def test_check_mode_on_the_gpu():
+    """Triton's own binder and cache lookup agree with every direct launch of a few kit ops."""
+    from batch_invariance_kit.ops import matmul as MM
+    from batch_invariance_kit.ops import rms_norm as R
+    if not DL._SUPPORTED:
+        pytest.skip(f"the direct launch follows Triton {DL.SUPPORTED_TRITON}")
+    prev = DL.set_mode("check")
+    try:
+        before = DL.stats()["checked"]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for t in (1, 17, 64, 1000):
+            x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+            w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
+            W = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2):
+                R.rms_norm(x, w, 1e-6)
+                R.rms_norm(x[1:], w, 1e-6) if t > 1 else None  # a view 8 KiB in: still aligned
+                MM.linear(x, W)
+        torch.cuda.synchronize()
+        assert DL.stats()["checked"] > before
+    finally:
+        DL.set_mode(prev)
