@@ -79,7 +79,7 @@ MODE_ENV = {"default": {"KIT_BATCH_INVARIANT": "0"},
 #: ``VLLM_BATCH_INVARIANT`` on CUDA as ``KIT_VLLM_INVARIANT`` says).
 RECORDED_ENV = ("KIT_BATCH_INVARIANT", "KIT_VLLM_INVARIANT", "VLLM_BATCH_INVARIANT",
                 "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_CPU_ATTN_SPLIT_KV", "KIT_MOE",
-                "KIT_ATTENTION")
+                "KIT_ATTENTION", "KIT_DIRECT_LAUNCH")
 #: The engine's options and their defaults (``None``: vLLM's own default).  ``eager``:
 #: ``enforce_eager=True`` (otherwise compiled, as vLLM ships: torch.compile, CUDA graphs on a
 #: GPU); ``kv_cache_gib``: the KV cache's size (``kv_cache_memory_bytes``);
