@@ -238,9 +238,15 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _hook_active(h) -> bool:
+    """A launch hook that would run: Triton 3.6 keeps each as a chain (``calls``), empty unless a
+    profiler or a user added one."""
+    return h is not None and bool(getattr(h, "calls", True))
+
+
 def _hooks_set(fn) -> bool:
     rt = _knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None or bool(fn.pre_run_hooks)
+    return _hook_active(rt.launch_enter_hook) or _hook_active(rt.launch_exit_hook) or bool(fn.pre_run_hooks)
 
 
 def _current_device() -> int:
