@@ -18,6 +18,8 @@ from the batch, as production kernels do) and its *invariant* implementation.
   fixed reduction tree): the CPU replacements of the vLLM plugin;
 * :mod:`.custom_ops`: the ops vLLM calls, as torch custom ops that torch.compile and CUDA graphs
   capture.
+* :mod:`.direct_launch`: the eager launch of the kit's Triton kernels (the compiled kernel's
+  launcher, called directly for an argument signature Triton specialised before).
 """
 from ..device import require_triton as _require_triton
 

@@ -13,6 +13,9 @@ graph calls), the kit's Python function under it, and the peer default vLLM woul
 (``torch.nn.functional.linear``: cuBLAS; attention and norms have no plain-torch peer here).
 """
 import argparse
+import cProfile
+import os
+import pstats
 import statistics
 import time
 
@@ -33,6 +36,8 @@ p = argparse.ArgumentParser()
 p.add_argument("out", nargs="?", default=None)
 p.add_argument("--stub", action="store_true", help="Triton kernels replaced by no-ops (host time only)")
 p.add_argument("--tokens", type=int, default=None, help="decode batch (default 1000 on a GPU, 64 on a CPU)")
+p.add_argument("--cprofile", type=int, default=0, metavar="N",
+               help="also profile N calls of each op with cProfile and keep the 12 functions of most own time")
 args = p.parse_args()
 GPU = torch.cuda.is_available()
 dev = "cuda" if GPU else "cpu"
@@ -114,6 +119,21 @@ def host_us(fn, n=200, rounds=7):
     return statistics.median(per), min(per), max(per)
 
 
+def top_functions(fn, n, keep=12):
+    """cProfile of ``n`` calls: the functions of most own time, as (name, own us per call, calls per call)."""
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    sync()
+    st = pstats.Stats(prof).stats
+    top = sorted(st.items(), key=lambda kv: -kv[1][2])[:keep]
+    return [{"function": f"{os.path.basename(k[0])}:{k[1]}({k[2]})", "own_us": v[2] / n * 1e6, "calls": v[1] / n}
+            for k, v in top]
+
+
 def device_us(fn, n=50):
     """Device time per call from ``n`` replays of a CUDA graph of one call (None on a CPU, with
     ``--stub``, or where the call cannot be captured)."""
@@ -147,7 +167,8 @@ with torch.inference_mode():
         dev_t = device_us(fn)
         rows.append({"op": "host_cost", "call": name, "tokens": T, "hidden": H, "stub": args.stub,
                      "direct_launch": DL.mode(),
-                     "host_us": med, "host_min_us": lo, "host_max_us": hi, "device_us": dev_t})
+                     "host_us": med, "host_min_us": lo, "host_max_us": hi, "device_us": dev_t,
+                     **({"cprofile_top": top_functions(fn, args.cprofile)} if args.cprofile else {})})
         print(f"{name:<34} host {med:7.1f} us (min {lo:.1f}, max {hi:.1f})"
               + ("" if dev_t is None else f"   device {dev_t:8.1f} us"), flush=True)
 if args.out:
