@@ -48,7 +48,7 @@ def _triton_spec(a):
     if type(a) is int:
         if a == 1:
             return ("constexpr", 1)
-        return ("i32" if -2 ** 31 <= a < 2 ** 31 else "i64", a % 16 == 0)
+        return ("i32" if -2 ** 31 <= a < 2 ** 31 else "i64" if a < 2 ** 63 else "u64", a % 16 == 0)
     if type(a) is float:
         return "fp32"
     if a is None:
@@ -97,8 +97,9 @@ def model(monkeypatch):
     monkeypatch.setattr(DL, "_current_device", lambda: 0)
     monkeypatch.setattr(DL, "_driver", types.SimpleNamespace(active=types.SimpleNamespace(
         get_current_stream=lambda device: "stream")))
-    monkeypatch.setattr(DL, "_knobs", types.SimpleNamespace(runtime=types.SimpleNamespace(
-        launch_enter_hook=None, launch_exit_hook=None)))
+    monkeypatch.setattr(DL, "_knobs", types.SimpleNamespace(
+        runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False),
+        compilation=types.SimpleNamespace(instrumentation_mode="")))
     prev = DL.set_mode("on")
     fn = _ModelJIT([_Param("x"), _Param("w"), _Param("out"), _Param("n"), _Param("eps"),
                     _Param("flag", default=False), _Param("BLOCK", constexpr=True),
@@ -126,8 +127,8 @@ def test_second_call_launches_directly_with_every_parameter(model):
                             x, w, out, 96, 1e-5, False, 32, 4)
 
 
-@pytest.mark.parametrize("change", ["alignment", "dtype", "n_is_1", "n_mult_16", "n_int64", "constexpr",
-                                    "option", "none", "runtime_kw"])
+@pytest.mark.parametrize("change", ["alignment", "dtype", "n_is_1", "n_mult_16", "n_int64", "n_uint64", "n_bool",
+                                    "constexpr", "constexpr_type", "option", "none", "debug"])
 def test_a_different_specialisation_goes_through_triton(model, change):
     fn, dl = model
     x, w, out = _tensors()
@@ -143,27 +144,45 @@ def test_a_different_specialisation_goes_through_triton(model, change):
         args[3] = 65
     elif change == "n_int64":
         args[3] = 2 ** 40
+    elif change == "n_uint64":
+        args[3] = 2 ** 63 + 16
+    elif change == "n_bool":
+        args[3] = True
     elif change == "constexpr":
         kw["BLOCK"] = 64
+    elif change == "constexpr_type":
+        kw["BLOCK"] = 32.0  # equal to 32 in Python, another constexpr to Triton
     elif change == "option":
         kw["num_warps"] = 8
     elif change == "none":
         args[2] = None
-    elif change == "runtime_kw":
-        kw["flag"] = True
+    elif change == "debug":
+        DL._knobs.runtime.debug = True  # a compile option of every kernel
     dl((2,), *args, **kw)
     assert len(fn.through) == 2, "a call Triton specialises differently must not reuse the remembered kernel"
-    if change != "runtime_kw":  # Triton does not specialise on a bool's value; the signature does
+    if change != "debug":  # the model does not compile debug kernels
         assert fn.through[-1][1] is not fn.through[0][1]
     dl((2,), *args, **kw)  # and that signature launches directly from then on
     assert len(fn.through) == 2
+
+
+def test_a_runtime_keyword_is_passed_per_call(model):
+    """A runtime argument given by keyword reaches the launcher with this call's value."""
+    fn, dl = model
+    x, w, out = _tensors()
+    dl((2,), x, w, out, 64, 1e-6, flag=False, BLOCK=32)
+    k = dl((2,), x, w, out, 64, 1e-6, flag=False, BLOCK=32)
+    assert len(fn.through) == 1 and k.calls[-1][9 + 5] is False
+    dl((2,), x, w, out, 64, 1e-6, flag=True, BLOCK=32)  # the bool's value is in the signature: once through Triton
+    k = dl((2,), x, w, out, 64, 1e-6, flag=True, BLOCK=32)
+    assert len(fn.through) == 2 and k.calls[-1][9 + 5] is True
 
 
 def _random_call(rng, aligned_only=False):
     dtype = rng.choice([torch.float32, torch.bfloat16])
     offs = [0 if aligned_only else rng.choice([0, 0, 1, 8]) for _ in range(3)]
     x, w, out = (_tensors(dtype, o)[i] for i, o in enumerate(offs))
-    n = rng.choice([1, 2, 16, 17, 32, 1000, 2 ** 33])
+    n = rng.choice([1, 2, 16, 17, 32, 1000, 2 ** 33, 2 ** 40 + 1, 2 ** 63 + 5, False, True, 0])
     kw = {"BLOCK": rng.choice([16, 32])}
     if rng.random() < 0.5:
         kw["num_warps"] = rng.choice([4, 8])
@@ -180,9 +199,8 @@ def _replay(fn, dl, calls):
     wrong = []
     for grid, args, kw in calls:
         vals, spec = fn.bind(args, kw)
-        want = fn.kernels.get(repr(spec))
         kernel = dl(grid, *args, **kw)
-        if want is not None and kernel is not want:
+        if kernel.spec != spec:  # compiled for another specialisation than this call's
             wrong.append((args, kw))
             continue
         g = tuple(grid) + (1,) * (3 - len(grid))
@@ -195,10 +213,10 @@ def _replay(fn, dl, calls):
 def test_random_calls_launch_the_kernel_triton_picks(model):
     fn, dl = model
     rng = random.Random(0)
-    calls = [_random_call(rng) for _ in range(400)]
+    calls = [_random_call(rng) for _ in range(1500)]
+    before = DL.stats()["direct"]
     assert _replay(fn, dl, calls) == []
-    s = DL.stats()
-    assert s["direct"] > 100, s  # most calls repeat a signature and launch directly
+    assert DL.stats()["direct"] - before > 500  # many calls repeat a signature and launch directly
 
 
 def test_negative_control_a_signature_without_alignment_is_caught(model, monkeypatch):
@@ -239,14 +257,22 @@ def test_steps_aside(model, monkeypatch):
     DL._knobs.runtime.launch_enter_hook = lambda *a: None  # so must a launch hook
     call()
     assert len(fn.through) == 4
+    from triton.knobs import HookChain  # Triton's own hook chain: empty is no hook, one call is
+    chain = HookChain()
+    DL._knobs.runtime.launch_enter_hook = chain
+    call()
+    assert len(fn.through) == 4
+    chain.add(lambda *a: None)
+    call()
+    assert len(fn.through) == 5
     DL._knobs.runtime.launch_enter_hook = None
     dl(lambda meta: (2,), x, w, out, 64, 1e-6, BLOCK=32)  # a callable grid
-    assert len(fn.through) == 5
-    dl((2,), x, w, out, 64, 1e-6, BLOCK=[32])  # an unhashable constexpr
     assert len(fn.through) == 6
+    dl((2,), x, w, out, 64, 1e-6, BLOCK=[32])  # an unhashable constexpr
+    assert len(fn.through) == 7
     dl((2,), x, w, out, 64, 1e-6, BLOCK=32, ROWS=object())  # a new constexpr value: a new signature
     call()  # the first signature still launches directly
-    assert len(fn.through) == 7
+    assert len(fn.through) == 8
 
 
 def test_unknown_argument_type_goes_through_triton(model):

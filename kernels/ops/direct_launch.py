@@ -18,11 +18,15 @@ included).  The signature is a superset of what Triton specialises on:
 * a float: its type only (Triton passes it as fp32 and never specialises on its value);
 * a host tensor descriptor: its base's dtype and alignment, its block shape, its padding and
   the int classes of its shape and strides;
-* ``None``, bools and every constexpr or launch option: the value itself;
-* the current device.
+* a bool: its value, tagged as a bool (so that ``False`` and an int of class 0 differ);
+* ``None``, every constexpr and launch option: its type and value (``True``, ``1`` and ``1.0``
+  are different constexprs to Triton);
+* the current device, and Triton's ``debug`` and ``instrumentation_mode`` knobs (both enter its
+  compile options).
 
 So two calls with the same signature get the same kernel from Triton too, and the direct launch
-runs the kernel Triton would run, on the current stream.  It steps aside (the call goes through
+runs the kernel Triton would run, on the current stream.  It leaves out Triton's check that the
+globals a kernel read are unchanged (the kit's kernels read none; check mode runs it).  It steps aside (the call goes through
 Triton) under the interpreter, for a Triton other than the one whose launch path it follows
 (:data:`SUPPORTED_TRITON`), while launch hooks or pre-run hooks are set, for an argument type it
 does not know, and when ``KIT_DIRECT_LAUNCH=0``.  ``KIT_DIRECT_LAUNCH=check`` runs Triton's
@@ -41,8 +45,9 @@ from ..device import INTERPRET
 try:  # the knobs and the driver of the Triton releases this module follows
     from triton import knobs as _knobs
     from triton.runtime import driver as _driver
+    from triton.tools.tensor_descriptor import TensorDescriptor as _HostDescriptor
 except ImportError:  # pragma: no cover - an older Triton: every launch goes through Triton
-    _knobs = _driver = None
+    _knobs = _driver = _HostDescriptor = None
 
 __all__ = ["DirectLaunch", "SUPPORTED_TRITON", "mode", "set_mode", "stats"]
 
@@ -116,9 +121,11 @@ def _spec(a):
         return _int_class(a)
     if t is float:
         return float
-    if a is None or t is bool:
-        return a
-    if t.__name__ == "TensorDescriptor":
+    if t is bool:
+        return (bool, a)
+    if a is None:
+        return None
+    if t is _HostDescriptor:
         return ("desc", a.base.dtype, (a.base.data_ptr() & 15) == 0, tuple(a.block_shape),
                 getattr(a, "padding", None), tuple(_int_class(int(s)) for s in a.shape),
                 tuple(_int_class(int(s)) for s in a.strides))
@@ -152,14 +159,15 @@ class _Layout:
     def signature(self, args, kw) -> tuple:
         """What the call contributes to the signature beyond its layout and device."""
         if self.pos_const:
-            pos = tuple([a if i in self.pos_const else _spec(a) for i, a in enumerate(args)])
+            pos = tuple([(type(a), a) if i in self.pos_const else _spec(a) for i, a in enumerate(args)])
         else:
             pos = tuple([(a.dtype, (a.data_ptr() & 15) == 0) if type(a) is torch.Tensor else _spec(a)
                          for a in args])
+        vals = kw.values()
         if self.kw_runtime:
-            kws = tuple([v if c else _spec(v) for v, c in zip(kw.values(), self.kw_const)])
+            kws = tuple([(type(v), v) if c else _spec(v) for v, c in zip(vals, self.kw_const)])
         else:
-            kws = tuple(kw.values())
+            kws = (tuple(vals), tuple(map(type, vals)))
         return pos, kws
 
     def tail_values(self, kw) -> tuple:
@@ -189,7 +197,8 @@ class DirectLaunch:
             if lay is None:
                 lay = self._layouts[lk] = _Layout(self.fn, len(args), lk[1])
             device = _current_device()
-            key = (lk, device, *lay.signature(args, kw))
+            rt = _knobs.runtime
+            key = (lk, device, rt.debug, _knobs.compilation.instrumentation_mode, *lay.signature(args, kw))
             entry = self._kernels.get(key)
         except (_Unsupported, TypeError):  # an argument this module does not model, an unhashable constexpr
             return self._through_triton(grid, args, kw)
@@ -224,10 +233,16 @@ class DirectLaunch:
         theirs = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
         if theirs is not kernel:
             raise AssertionError(f"{self!r}: the remembered kernel is not the one Triton looks up for this call")
+        for (name, _), (val, globals_dict) in getattr(self.fn, "used_global_vals", {}).items():
+            if globals_dict.get(name, _MISSING) != val:
+                raise AssertionError(f"{self!r}: global {name} changed since the kernel was compiled")
         values = list(bound.values())
         if len(values) != len(full) or not all(_same(a, b) for a, b in zip(values, full)):
             raise AssertionError(f"{self!r}: the direct launch's arguments differ from Triton's bound arguments")
         _stats["checked"] += 1
+
+
+_MISSING = object()
 
 
 def _same(a, b) -> bool:

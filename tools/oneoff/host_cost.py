@@ -4,7 +4,9 @@ call's device work is shorter than its host work this is the host's cost; where 
 host waits on the launch queue and the time approaches the device's.  The device time of one call
 is printed beside it, from CUDA-graph replays of the call (no host work between them), so a reader
 can see which one binds.  ``--stub`` replaces the Triton kernels by no-ops: the host time of the
-kit's Python alone (what a CPU run can measure).
+kit's Python alone (what a CPU run can measure; on a GPU it includes ``ops.direct_launch``'s
+signature, whose no-op launches are never remembered).  ``--cprofile N`` adds each call's
+functions of most own time.
 
     [KIT_DIRECT_LAUNCH=0] python tools/oneoff/host_cost.py [OUT_DIR] [--stub] [--tokens 1000]
 
@@ -46,6 +48,8 @@ H, HQ, HKV, D, I = (4096, 32, 8, 128, 12288) if GPU else (256, 4, 2, 32, 512)
 
 
 class _NoLaunch:
+    pre_run_hooks: list = []  # what ops.direct_launch reads of a kernel before launching it
+
     def __getitem__(self, grid):
         return lambda *a, **k: None
 
