@@ -393,14 +393,14 @@ def test_stream_k_cuts_tiles_and_keeps_the_bits(dtype, monkeypatch):
     inside one tile too: a chain of three programs handing one running sum on) give the bits
     of the one-program chunk loop, as mm and as linear, for every M; the stream-K kernel ran."""
     launched = []
-    real = MM._mm_stream_k_kernel
+    real = MM._MM_STREAM_K.fn
 
     class Spy:
         def __getitem__(self, grid):
             launched.append(grid[0])
             return real[grid]
 
-    monkeypatch.setattr(MM, "_mm_stream_k_kernel", Spy())
+    monkeypatch.setattr(MM._MM_STREAM_K, "fn", Spy())  # the kernel its eager launches go through
     chunk = MM.k_chunk(10 ** 6, dtype)
     long_k = 3 * chunk + 8  # four chunks, the last partial
     sk = [c for c in MM.TRIAL_CONFIGS if c.stream_k] + [MM.MMConfig("sk16", 16, 32, 2, 3, 1, tma=True, stream_k=True)]

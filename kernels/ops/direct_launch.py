@@ -261,7 +261,7 @@ def _hook_active(h) -> bool:
 
 def _hooks_set(fn) -> bool:
     rt = _knobs.runtime
-    return _hook_active(rt.launch_enter_hook) or _hook_active(rt.launch_exit_hook) or bool(fn.pre_run_hooks)
+    return _hook_active(rt.launch_enter_hook) or _hook_active(rt.launch_exit_hook) or bool(getattr(fn, "pre_run_hooks", None))
 
 
 def _current_device() -> int:
