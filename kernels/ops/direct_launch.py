@@ -261,7 +261,8 @@ def _hook_active(h) -> bool:
 
 def _hooks_set(fn) -> bool:
     rt = _knobs.runtime
-    return _hook_active(rt.launch_enter_hook) or _hook_active(rt.launch_exit_hook) or bool(getattr(fn, "pre_run_hooks", None))
+    return (_hook_active(rt.launch_enter_hook) or _hook_active(rt.launch_exit_hook)
+            or bool(getattr(fn, "pre_run_hooks", None)))
 
 
 def _current_device() -> int:
