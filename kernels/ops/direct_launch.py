@@ -25,13 +25,13 @@ included).  The signature is a superset of what Triton specialises on:
   compile options).
 
 So two calls with the same signature get the same kernel from Triton too, and the direct launch
-runs the kernel Triton would run, on the current stream.  It leaves out Triton's check that the
-globals a kernel read are unchanged (the kit's kernels read none; check mode runs it).  It steps aside (the call goes through
-Triton) under the interpreter, for a Triton other than the one whose launch path it follows
-(:data:`SUPPORTED_TRITON`), while launch hooks or pre-run hooks are set, for an argument type it
-does not know, and when ``KIT_DIRECT_LAUNCH=0``.  ``KIT_DIRECT_LAUNCH=check`` runs Triton's
-binder and cache lookup beside every direct launch and raises if either disagrees (the GPU tests
-run in that mode).
+runs the kernel Triton would run, on the current stream.  It leaves out Triton's per-launch check
+that the module globals a kernel read have not changed since it was compiled (check mode runs it).
+It steps aside (the call goes through Triton) under the interpreter, for a Triton other than the
+one whose launch path it follows (:data:`SUPPORTED_TRITON`), while launch hooks or pre-run hooks
+are set, for a grid that is not a tuple, for an argument type it does not know, and when
+``KIT_DIRECT_LAUNCH=0``.  ``KIT_DIRECT_LAUNCH=check`` runs Triton's binder and cache lookup beside
+every direct launch and raises if either disagrees: run the GPU tests in that mode to verify it.
 """
 from __future__ import annotations
 
