@@ -162,7 +162,7 @@ def launch_chunk_reduce(ws, out, bias, M: int, N: int, n_batch: int, sc: tuple, 
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), n_batch)
     has_bias = bias is not None
     _CHUNK_REDUCE(grid, ws, out, bias if has_bias else out, M, N, n_batch, *sc, *sbias,
-                              SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=4)
+                  SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=4)
 
 
 #: the eager launch of :func:`chunk_reduce_kernel` (:mod:`.direct_launch`)

@@ -786,10 +786,10 @@ def _launch_tma(a, b, out, bias, plan, p: Product, b_kn):
         flags = torch.zeros(P, dtype=torch.int32, device=a.device)
         skw = {k: v for k, v in kw.items() if k not in ("PERSISTENT", "WARP_SPEC")}
         _MM_STREAM_K((P,), a_desc, b_desc, out, bias, ws, flags, M, N, K, plan.tiles, sc[1], sc[2], *p.bias,
-                                  B_KN=b_kn, **skw)
+                     B_KN=b_kn, **skw)
         return
     _MM_TMA((plan.grid[0],), a_desc, b_desc, out, bias, M, N, K, plan.tiles, sc[1], sc[2], *p.bias,
-                                    B_KN=b_kn, **kw)
+            B_KN=b_kn, **kw)
 
 
 #: Set by :func:`plant_variant`: every invariant launch runs the variant twin instead
@@ -836,7 +836,7 @@ def launch(a, b, out, bias, p: Product, *, impl: str = "invariant", config=None)
     split = plan.split
     ws = torch.empty((split, B, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     _MM(plan.grid, a, b, out, bias, ws, plan.per_split, M, N, K, B, plan.tiles, *p.a, *p.b, *p.c, *p.bias,
-                          **plan.kw)
+        **plan.kw)
     if split > 1:
         launch_chunk_reduce(ws, out, bias if has_bias else None, M, N, B, p.c, p.bias, split,
                             block_m=_REDUCE_M, block_n=_REDUCE_N, grid=plan.reduce_grid)
