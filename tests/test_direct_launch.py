@@ -303,6 +303,181 @@ def test_env_mode_parsing(monkeypatch):
         DL._env_mode()
 
 
+# --------------------------------------------------------------------------------------------
+# The launcher called without its Python frames (Triton 3.6's CUDA launcher, modelled)
+# --------------------------------------------------------------------------------------------
+
+class _CLaunch:
+    """The C launch function of a compiled kernel: records what it receives."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *a):
+        self.calls.append(a)
+
+
+def _descriptor_wrapper(c_launch, indices, metas):
+    """A launcher's descriptor-expanding wrapper, shaped as Triton 3.6 builds it: a closure over
+    ``launcher``, ``tensordesc_indices`` and ``tensordesc_meta`` that expands each descriptor
+    parameter on every call."""
+    launcher, tensordesc_indices, tensordesc_meta = c_launch, set(indices), list(metas)
+
+    def inner(*args):
+        out, k = list(args[:DL._BASE_ARGS]), 0
+        for i, a in enumerate(args[DL._BASE_ARGS:]):
+            if i in tensordesc_indices:
+                out.extend(DL._expand_descriptor(a, tensordesc_meta[k]))
+                k += 1
+            else:
+                out.append(a)
+        return launcher(*out)
+    return inner
+
+
+class _Launcher:
+    """Triton 3.6's ``CudaLauncher`` as the direct launch sees it."""
+
+    def __init__(self, indices=(), metas=(), scratch=0):
+        self.c = _CLaunch()
+        self.launch = _descriptor_wrapper(self.c, indices, metas) if indices else self.c
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
+
+
+class _Map:
+    """A tensor map of the model: its bytes are the fields it was built from."""
+
+    def __init__(self, payload):
+        self.payload = payload
+
+
+class _DescJIT:
+    """A kernel ``(a_desc, b_desc, c, M, BLOCK: constexpr)`` whose compiled kernels carry a
+    :class:`_Launcher`; one compiled kernel per (BLOCK, metas)."""
+
+    def __init__(self, metas, scratch=0):
+        self.params = [_Param("a_desc"), _Param("b_desc"), _Param("c"), _Param("M"), _Param("BLOCK", constexpr=True)]
+        self.pre_run_hooks, self.metas, self.scratch, self.kernels, self.through = [], metas, scratch, {}, 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            vals = list(args) + [kw["BLOCK"]]
+            k = self.kernels.get(kw["BLOCK"])
+            if k is None:
+                k = self.kernels[kw["BLOCK"]] = types.SimpleNamespace(
+                    run=_Launcher((0, 1), self.metas, self.scratch), function=object(), packed_metadata=("m",))
+            g = tuple(grid) + (1,) * (3 - len(grid))
+            k.run(*g, "stream", k.function, k.packed_metadata, None, None, None, *vals)
+            self.through += 1
+            return k
+        return run
+
+
+@pytest.fixture
+def desc_model(model, monkeypatch):
+    """The expansion Triton's driver makes, counted (a ``_Map`` for a lowered descriptor; the base
+    tensor and its fields for one the compiler kept in memory)."""
+    made = []
+
+    def expand(d, meta):
+        made.append(d)
+        if meta is None:
+            return [d.base, *d.shape, *d.strides, d.padding == "nan", *d.shape, *d.strides]
+        return [_Map((d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding, meta["swizzle"])),
+                *d.shape, *d.strides]
+
+    monkeypatch.setattr(DL, "_expand_descriptor", expand)
+    monkeypatch.setattr(DL, "_map_bytes", lambda m: m.payload)
+    return made
+
+
+def _descs(a_off=0, n=64):
+    from batch_invariance_kit.ops.tma import descriptor
+    base = torch.zeros(4096, dtype=torch.bfloat16)
+    w = torch.zeros(n, 64, dtype=torch.bfloat16)
+    a = base[a_off * 64:a_off * 64 + 8 * 64].view(8, 64)
+    return descriptor(a, [8, 64], [64, 1], [8, 64]), descriptor(w, [n, 64], [64, 1], [16, 64])
+
+
+def _normal(call):
+    return tuple(("map", a.payload) if isinstance(a, _Map) else a for a in call)
+
+
+@pytest.mark.parametrize("lowered", [True, False])
+def test_the_raw_launch_passes_what_the_launcher_would(model, desc_model, lowered):
+    """Every direct launch reaches the C launch function with the arguments Triton's launcher
+    would give it; a lowered descriptor is expanded once per (base, shape, strides), the weight's
+    once in all; one kept in memory (its expansion holds the tensor) on every call."""
+    metas = [{"swizzle": 3}, {"swizzle": 2}] if lowered else [None, None]
+    fn = _DescJIT(metas)
+    dl = DL.DirectLaunch(fn)
+    a0, w = _descs(0)
+    a1, _ = _descs(8)
+    out = torch.zeros(8, 64)
+    dl((4,), a0, w, out, 8, BLOCK=16)
+    (kernel,) = fn.kernels.values()
+    assert DL._RawLaunch.of(kernel) is not None
+    expanded_through_triton = len(desc_model)
+    for i, (a, grid) in enumerate([(a0, (4,)), (a1, (2, 3)), (a0, (4, 1, 2)), (a1, (2,))] * 2):
+        dl(grid, a, w, out, 8 + i, BLOCK=16)
+        mine = kernel.run.c.calls[-1]
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        kernel.run(*g, "stream", kernel.function, kernel.packed_metadata, None, None, None, a, w, out, 8 + i, 16)
+        assert _normal(mine) == _normal(kernel.run.c.calls[-1])
+    assert fn.through == 1
+    direct_expansions = len(desc_model) - expanded_through_triton - 8 * 2  # minus the reference calls'
+    assert direct_expansions == (3 if lowered else 16)  # a0, a1 and w once each; or every call
+
+
+def test_check_mode_catches_a_stale_expansion(model, desc_model):
+    """Negative control: a remembered expansion that no longer matches the descriptor (as if the
+    memo ignored the strides) fails the comparison that check mode makes after each direct launch."""
+    fn = _DescJIT([{"swizzle": 3}, {"swizzle": 2}])
+    dl = DL.DirectLaunch(fn)
+    a0, w = _descs(0)
+    out = torch.zeros(8, 64)
+    dl((4,), a0, w, out, 8, BLOCK=16)
+    dl((4,), a0, w, out, 8, BLOCK=16)
+    (entry,) = dl._kernels.values()
+    raw = entry[2]
+    (key,) = raw.memo[1]
+    raw.memo[1][key] = [_Map("stale"), *raw.memo[1][key][1:]]
+    with pytest.raises(AssertionError, match="descriptor parameter 1"):
+        raw.check((a0, w, out, 8, 16))
+    raw.memo[1].clear()
+    raw.check((a0, w, out, 8, 16))
+
+
+def test_raw_launch_steps_aside_for_scratch_and_stand_ins(model, desc_model):
+    """A launcher with a scratch buffer is called as it is (it allocates per call); so is a kernel
+    whose ``run`` is not a launcher of this shape."""
+    fn = _DescJIT([{"swizzle": 3}, {"swizzle": 2}], scratch=64)
+    dl = DL.DirectLaunch(fn)
+    a0, w = _descs(0)
+    out = torch.zeros(8, 64)
+    dl((4,), a0, w, out, 8, BLOCK=16)
+    dl((4,), a0, w, out, 8, BLOCK=16)
+    (entry,) = dl._kernels.values()
+    assert entry[2] is None and len(entry[0].run.c.calls) == 2
+    assert DL._RawLaunch.of(types.SimpleNamespace(run=lambda *a: None)) is None
+
+
+def test_the_descriptor_memo_is_bounded(model, desc_model, monkeypatch):
+    monkeypatch.setattr(DL, "MAX_DESCRIPTORS", 4)
+    fn = _DescJIT([{"swizzle": 3}, {"swizzle": 2}])
+    dl = DL.DirectLaunch(fn)
+    out = torch.zeros(8, 64)
+    for off in range(0, 56, 8):
+        a, w = _descs(off)
+        dl((4,), a, w, out, 8, BLOCK=16)
+    (entry,) = dl._kernels.values()
+    assert all(len(m) <= 4 for m in entry[2].memo)
+
+
 @pytest.mark.gpu
 def test_check_mode_on_the_gpu():
     """Triton's own binder and cache lookup agree with every direct launch of a few kit ops."""

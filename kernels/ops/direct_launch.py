@@ -31,7 +31,14 @@ It steps aside (the call goes through Triton) under the interpreter, for a Trito
 one whose launch path it follows (:data:`SUPPORTED_TRITON`), while launch hooks or pre-run hooks
 are set, for a grid that is not a tuple, for an argument type it does not know, and when
 ``KIT_DIRECT_LAUNCH=0``.  ``KIT_DIRECT_LAUNCH=check`` runs Triton's binder and cache lookup beside
-every direct launch and raises if either disagrees: run the GPU tests in that mode to verify it.
+every direct launch and raises if either disagrees (and compares every remembered descriptor
+expansion with a fresh one, byte for byte): run the GPU tests in that mode to verify it.
+
+The launcher itself is called without its Python frames where Triton 3.6's CUDA launcher allows
+(:class:`_RawLaunch`: a kernel without scratch buffers): the C launch function gets the fixed
+arguments the launcher would add, and each host tensor descriptor's expansion (a ``CUtensorMap``
+built by the driver, plus its shape and strides) is remembered per base address, shape, strides
+and padding instead of being rebuilt on every call; for a linear layer's weight it is built once.
 """
 from __future__ import annotations
 
@@ -48,6 +55,10 @@ try:  # the knobs and the driver of the Triton releases this module follows
     from triton.tools.tensor_descriptor import TensorDescriptor as _HostDescriptor
 except ImportError:  # pragma: no cover - an older Triton: every launch goes through Triton
     _knobs = _driver = _HostDescriptor = None
+try:  # how Triton 3.6's CUDA launcher expands a host descriptor into kernel arguments
+    from triton.backends.nvidia.driver import make_tensordesc_arg as _expand_descriptor
+except ImportError:  # pragma: no cover - no CUDA backend: the launcher is always called as it is
+    _expand_descriptor = None
 
 __all__ = ["DirectLaunch", "SUPPORTED_TRITON", "mode", "set_mode", "stats"]
 
@@ -208,13 +219,19 @@ class DirectLaunch:
                 return kernel
             if len(self._kernels) >= MAX_SIGNATURES:
                 self._kernels.clear()
-            self._kernels[key] = (kernel, None if lay.kw_runtime else lay.tail_values(kw))
+            self._kernels[key] = (kernel, None if lay.kw_runtime else lay.tail_values(kw), _RawLaunch.of(kernel))
             return kernel
-        kernel, tail = entry
+        kernel, tail, raw = entry
         full = args + (lay.tail_values(kw) if tail is None else tail)
-        _launch(kernel, grid, full, device)
+        stream = _driver.active.get_current_stream(device)
+        n = len(grid)
+        g1, g2 = (grid[1] if n > 1 else 1), (grid[2] if n > 2 else 1)
+        if raw is None:  # the compiled kernel's launcher, called as JITFunction.run calls it (no hooks)
+            kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
+        else:
+            raw(grid[0], g1, g2, stream, full)
         if _mode == "check":
-            self._check(kernel, args, kw, full, device)
+            self._check(kernel, args, kw, full, device, raw)
         _stats["direct"] += 1
         return kernel
 
@@ -222,8 +239,9 @@ class DirectLaunch:
         _stats["through_triton"] += 1
         return self.fn[grid](*args, **kw)
 
-    def _check(self, kernel, args, kw, full, device):
-        """Triton's own binder and cache lookup for this call: the same kernel, the same arguments."""
+    def _check(self, kernel, args, kw, full, device, raw):
+        """Triton's own binder and cache lookup for this call: the same kernel, the same arguments
+        (and, for a launcher called without its Python frames, the same launch arguments)."""
         from triton.runtime.jit import compute_cache_key
         kw = dict(kw)
         kw["debug"] = kw.get("debug", self.fn.debug) or _knobs.runtime.debug
@@ -239,6 +257,8 @@ class DirectLaunch:
         values = list(bound.values())
         if len(values) != len(full) or not all(_same(a, b) for a, b in zip(values, full)):
             raise AssertionError(f"{self!r}: the direct launch's arguments differ from Triton's bound arguments")
+        if raw is not None:
+            raw.check(full)
         _stats["checked"] += 1
 
 
@@ -269,9 +289,107 @@ def _current_device() -> int:
     return _driver.active.get_current_device()
 
 
-def _launch(kernel, grid, full, device) -> None:
-    """The compiled kernel's launcher, called as ``JITFunction.run`` calls it (no launch hooks)."""
-    stream = _driver.active.get_current_stream(device)
-    n = len(grid)
-    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
-               kernel.packed_metadata, None, None, None, *full)
+#: Host descriptors whose expansion one launcher keeps; past it the memo starts over
+MAX_DESCRIPTORS = 256
+#: Triton 3.6's launcher: grid (3), stream, function, cooperative grid, PDL, two scratch
+#: buffers, packed metadata, launch metadata, enter and exit hooks; then the parameters
+_BASE_ARGS = 13
+
+
+class _RawLaunch:
+    """A compiled kernel's launch as Triton 3.6's ``CudaLauncher.__call__`` makes it, for a kernel
+    that needs no scratch buffers, without that method's Python frames: the C launch function
+    called with the launcher's fixed arguments, and each host tensor descriptor parameter
+    expanded into what the kernel receives (a ``CUtensorMap`` and the descriptor's shape and
+    strides) once per (base address, shape, strides, padding), instead of on every call.
+
+    A ``CUtensorMap`` is a function of exactly those (and of the kernel's block shape, swizzle
+    and element type, fixed per compiled kernel), so a remembered expansion is the one Triton
+    would build; it holds no tensor (a descriptor the compiler did not lower to TMA expands to
+    its base tensor, and is expanded on every call).  :meth:`check` compares both, byte for byte.
+    """
+
+    __slots__ = ("c_launch", "head", "desc", "memo")
+
+    def __init__(self, c_launch, head, desc):
+        self.c_launch = c_launch
+        self.head = head  # the launch arguments after the grid and stream
+        self.desc = desc  # ((parameter index, compiler metadata), ...) in parameter order
+        self.memo = [{} for _ in desc]
+
+    @classmethod
+    def of(cls, kernel):
+        """The raw launch of ``kernel``, or None where its launcher is not one this class models
+        (another Triton, a launcher with scratch buffers, a stand-in kernel)."""
+        run = getattr(kernel, "run", None)
+        need = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
+        if _expand_descriptor is None or not all(hasattr(run, a) for a in need):
+            return None
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        launch = run.launch
+        code = getattr(launch, "__code__", None)
+        if code is None:  # the C function itself: no descriptor parameters
+            c_launch, desc = launch, ()
+        else:  # Triton's descriptor-expanding wrapper around it
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
+            c_launch, idx, meta = cells.get("launcher"), cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
+            if c_launch is None or idx is None or meta is None or len(meta) != len(idx):
+                return None
+            desc = tuple(zip(sorted(idx), meta))
+        head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
+                None, None, None)
+        return cls(c_launch, head, desc)
+
+    def _expanded(self, j, d):
+        i, meta = self.desc[j]
+        if meta is None:  # the compiler kept the descriptor in memory: its expansion holds the tensor
+            return _expand_descriptor(d, meta)
+        key = (d.base.data_ptr(), *d.shape, *d.strides, d.padding)
+        memo = self.memo[j]
+        got = memo.get(key)
+        if got is None:
+            if len(memo) >= MAX_DESCRIPTORS:
+                memo.clear()
+            got = memo[key] = _expand_descriptor(d, meta)
+        return got
+
+    def __call__(self, g0, g1, g2, stream, full):
+        if not self.desc:
+            return self.c_launch(g0, g1, g2, stream, *self.head, *full)
+        args = [g0, g1, g2, stream, *self.head]
+        at = 0
+        for j, (i, _) in enumerate(self.desc):
+            args += full[at:i]
+            args += self._expanded(j, full[i])
+            at = i + 1
+        args += full[at:]
+        return self.c_launch(*args)
+
+    def check(self, full):
+        """Every remembered descriptor expansion of this call equals a fresh one (the tensor map's
+        bytes, the shape and strides)."""
+        for j, (i, meta) in enumerate(self.desc):
+            mine, fresh = self._expanded(j, full[i]), _expand_descriptor(full[i], meta)
+            if len(mine) != len(fresh) or not all(_same_arg(a, b) for a, b in zip(mine, fresh)):
+                raise AssertionError(f"the remembered expansion of descriptor parameter {i} differs from Triton's")
+
+
+def _same_arg(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (int, float, bool)) or a is None:
+        return a == b
+    if isinstance(a, torch.Tensor):
+        return a is b
+    return _map_bytes(a) == _map_bytes(b)
+
+
+def _map_bytes(m) -> bytes:
+    """The 128 bytes of a ``CUtensorMap`` Python object (Triton 3.6 keeps it 128-byte aligned at
+    the end of the object)."""
+    import ctypes
+    size = type(m).__basicsize__
+    if size < 128 + 16:
+        raise AssertionError(f"unexpected tensor map object {type(m).__name__} of {size} bytes")
+    return ctypes.string_at(id(m) + size - 128, 128)

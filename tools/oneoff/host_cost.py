@@ -5,10 +5,12 @@ host waits on the launch queue and the time approaches the device's.  The device
 is printed beside it, from CUDA-graph replays of the call (no host work between them), so a reader
 can see which one binds.  ``--stub`` replaces the Triton kernels by no-ops: the host time of the
 kit's Python alone (what a CPU run can measure; on a GPU it includes ``ops.direct_launch``'s
-signature, whose no-op launches are never remembered).  ``--cprofile N`` adds each call's
+signature, whose no-op launches are never remembered).  ``--launcher``: direct launches call
+Triton's launcher object as ``JITFunction.run`` does, instead of its C launch function with
+remembered descriptor expansions.  ``--cprofile N`` adds each call's
 functions of most own time.
 
-    [KIT_DIRECT_LAUNCH=0] python tools/oneoff/host_cost.py [OUT_DIR] [--stub] [--tokens 1000]
+    [KIT_DIRECT_LAUNCH=0] python tools/oneoff/host_cost.py [OUT_DIR] [--stub] [--launcher] [--tokens 1000]
 
 Rows: the op through its torch operator (``torch.ops.batch_invariance_kit``, what vLLM's compiled
 graph calls), the kit's Python function under it, and the peer default vLLM would run
@@ -38,6 +40,8 @@ p = argparse.ArgumentParser()
 p.add_argument("out", nargs="?", default=None)
 p.add_argument("--stub", action="store_true", help="Triton kernels replaced by no-ops (host time only)")
 p.add_argument("--tokens", type=int, default=None, help="decode batch (default 1000 on a GPU, 64 on a CPU)")
+p.add_argument("--launcher", action="store_true",
+               help="direct launches call Triton's launcher object (no raw C launch, no descriptor memo)")
 p.add_argument("--cprofile", type=int, default=0, metavar="N",
                help="also profile N calls of each op with cProfile and keep the 12 functions of most own time")
 args = p.parse_args()
@@ -61,6 +65,9 @@ if args.stub:
                 setattr(mod, name, _NoLaunch())
             elif isinstance(v, DL.DirectLaunch):  # the eager launch wrappers hold the kernel itself
                 v.fn = _NoLaunch()
+
+if args.launcher:
+    DL._RawLaunch.of = classmethod(lambda cls, kernel: None)
 
 g = torch.Generator(device=dev).manual_seed(0)
 
@@ -170,7 +177,7 @@ with torch.inference_mode():
         med, lo, hi = host_us(fn)
         dev_t = device_us(fn)
         rows.append({"op": "host_cost", "call": name, "tokens": T, "hidden": H, "stub": args.stub,
-                     "direct_launch": DL.mode(),
+                     "direct_launch": DL.mode(), "raw_launch": not args.launcher,
                      "host_us": med, "host_min_us": lo, "host_max_us": hi, "device_us": dev_t,
                      **({"cprofile_top": top_functions(fn, args.cprofile)} if args.cprofile else {})})
         print(f"{name:<34} host {med:7.1f} us (min {lo:.1f}, max {hi:.1f})"
@@ -178,4 +185,4 @@ with torch.inference_mode():
 if args.out:
     print(R.save("host_cost", rows, [], folder=args.out,
                  command=f"KIT_DIRECT_LAUNCH={DL.mode()} python tools/oneoff/host_cost.py <dir>"
-                 + (" --stub" if args.stub else "")))
+                 + (" --stub" if args.stub else "") + (" --launcher" if args.launcher else "")))
