@@ -72,6 +72,7 @@ import triton  # noqa: E402  (after batch_invariance_kit.device: the interpreter
 import triton.language as tl  # noqa: E402
 
 from .tl_numerics import from_f32, to_f32  # noqa: E402
+from .direct_launch import DirectLaunch  # noqa: E402
 
 __all__ = [
     "IMPLS",
@@ -326,7 +327,7 @@ def _route(logits, top_k, scoring, renormalize, impl, w, ids) -> None:
     """The router kernel on checked arguments: ``w`` and ``ids`` (T, k) written."""
     T, E = logits.shape
     grid, kw = _router_params(T, E, top_k, scoring, renormalize, impl)
-    _router_kernel[grid](logits, w, ids, T, E, logits.stride(0), **kw)
+    _ROUTER(grid, logits, w, ids, T, E, logits.stride(0), **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -486,11 +487,11 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Dispatc
     counts, padded = torch.empty((2, num_experts), dtype=torch.int64, device=dev).unbind(0)
     args = (sorted_ids, block_expert, counts, padded, n, num_experts, num_blocks, tiles)
     if tiles == 1:
-        _dispatch_kernel[grid](topk_ids, sorted_ids, *args, PHASE=0, **kw)
+        _DISPATCH(grid, topk_ids, sorted_ids, *args, PHASE=0, **kw)
     else:
         hist = torch.empty((tiles, kw["E_PAD"]), dtype=torch.int32, device=dev)
-        _dispatch_kernel[(tiles,)](topk_ids, hist, *args, PHASE=1, **kw)
-        _dispatch_kernel[grid](topk_ids, hist, *args, PHASE=2, **kw)
+        _DISPATCH((tiles,), topk_ids, hist, *args, PHASE=1, **kw)
+        _DISPATCH(grid, topk_ids, hist, *args, PHASE=2, **kw)
     return Dispatch(sorted_ids, block_expert, counts, padded, n, num_experts, k, block_m)
 
 
@@ -710,12 +711,12 @@ def _grouped_gemm(a, w, disp, fuse, gather_tokens, impl, cfg, out) -> None:
     ws = out
     if split > 1:
         ws = torch.empty((split, disp.num_valid, 2 * N if fuse else N), dtype=torch.float32, device=a.device)
-    _grouped_gemm_kernel[grid](
-        a, w, out, ws, disp.sorted_ids, disp.block_expert, disp.num_valid, N, K,
+    _GROUPED_GEMM(
+        grid, a, w, out, ws, disp.sorted_ids, disp.block_expert, disp.num_valid, N, K,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1), **kw)
     if split > 1 and fuse:
-        _splitk_silu_kernel[pass_grid](
-            ws, out, disp.num_valid, N, out.stride(0), out.stride(1), SPLIT_K=split, BLOCK_M=32, BLOCK_N=64,
+        _SPLITK_SILU(
+            pass_grid, ws, out, disp.num_valid, N, out.stride(0), out.stride(1), SPLIT_K=split, BLOCK_M=32, BLOCK_N=64,
             num_warps=4,
         )
     elif split > 1:  # matmul's pass over [SPLIT_K, 1, num_valid, N] partials (no bias)
@@ -796,7 +797,7 @@ def _combine(y, topk_weights, impl, out) -> None:
     T, k = topk_weights.shape
     H = y.shape[1]
     grid, kw = _combine_params(T, k, H, impl)
-    _combine_kernel[grid](y, topk_weights, out, T, H, y.stride(0), out.stride(0), **kw)
+    _COMBINE(grid, y, topk_weights, out, T, H, y.stride(0), out.stride(0), **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -883,3 +884,8 @@ def launch_info(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtyp
             "tokens_per_expert": tokens_per_expert(num_tokens, top_k, num_experts),
             "router": router_launch(num_tokens, num_experts, impl), **cfg.as_dict()}
 
+
+#: the eager launches of this module's kernels (:mod:`.direct_launch`)
+_ROUTER, _DISPATCH, _GROUPED_GEMM, _SPLITK_SILU, _COMBINE = (
+    DirectLaunch(_router_kernel), DirectLaunch(_dispatch_kernel), DirectLaunch(_grouped_gemm_kernel),
+    DirectLaunch(_splitk_silu_kernel), DirectLaunch(_combine_kernel))

@@ -38,6 +38,8 @@ from . import moe as MOE
 import triton  # noqa: E402  (after batch_invariance_kit.device)
 import triton.language as tl  # noqa: E402
 
+from .direct_launch import DirectLaunch  # noqa: E402
+
 __all__ = ["IMPLS", "RoutingConfig", "route", "reference_route", "deepseek_moe", "reference_deepseek_moe",
            "shared_mlp", "add_shared", "VARIANT_TREE_FROM"]
 
@@ -200,8 +202,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: RoutingConfig, *, impl:
     w = torch.empty((T, k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((T, k), dtype=torch.int32, device=logits.device)
     tree = impl == "variant" and T >= VARIANT_TREE_FROM
-    _ds_router_kernel[(triton.cdiv(T, ROUTER_BLOCK_T),)](
-        logits, bias.contiguous(), w, ids, T, cfg.routed_scaling_factor, logits.stride(0), E=E,
+    _DS_ROUTER(
+        (triton.cdiv(T, ROUTER_BLOCK_T),), logits, bias.contiguous(), w, ids, T, cfg.routed_scaling_factor, logits.stride(0), E=E,
         E_PAD=max(16, triton.next_power_of_2(E)), G=cfg.n_group, G_PAD=max(2, triton.next_power_of_2(cfg.n_group)),
         TOPK_GROUP=cfg.topk_group, TOPK=k, K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_T=ROUTER_BLOCK_T,
         RENORM=cfg.renormalize, TREE=tree)
@@ -287,3 +289,7 @@ def reference_deepseek_moe(x, router_weight, bias, w_gate_up, w_down, shared_gat
     i_s = gu.shape[1] // 2
     out += (torch.nn.functional.silu(gu[:, :i_s]) * gu[:, i_s:]) @ shared_down.double().t()
     return out.to(x.dtype)
+
+
+#: the eager launch of the router kernel (:mod:`.direct_launch`)
+_DS_ROUTER = DirectLaunch(_ds_router_kernel)
