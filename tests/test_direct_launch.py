@@ -317,11 +317,12 @@ class _CLaunch:
         self.calls.append(a)
 
 
-def _descriptor_wrapper(c_launch, indices, metas):
+def _descriptor_wrapper(launcher, signature, metas):
     """A launcher's descriptor-expanding wrapper, shaped as Triton 3.6 builds it: a closure over
     ``launcher``, ``tensordesc_indices`` and ``tensordesc_meta`` that expands each descriptor
     parameter on every call."""
-    launcher, tensordesc_indices, tensordesc_meta = c_launch, set(indices), list(metas)
+    tensordesc_indices = {i for i, t in enumerate(signature.values()) if t.startswith("tensordesc")}
+    tensordesc_meta = list(metas) if metas else [None] * len(tensordesc_indices)
 
     def inner(*args):
         out, k = list(args[:DL._BASE_ARGS]), 0
@@ -340,7 +341,8 @@ class _Launcher:
 
     def __init__(self, indices=(), metas=(), scratch=0):
         self.c = _CLaunch()
-        self.launch = _descriptor_wrapper(self.c, indices, metas) if indices else self.c
+        sig = {i: "tensordesc<bf16[8,64]>" if i in indices else "*bf16" for i in range(5)}
+        self.launch = _descriptor_wrapper(self.c, sig, metas) if indices else self.c
         self.launch_cooperative_grid, self.launch_pdl = False, True
         self.global_scratch_size, self.profile_scratch_size = scratch, 0
 
@@ -348,8 +350,8 @@ class _Launcher:
         self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
 
 
-class _Map:
-    """A tensor map of the model: its bytes are the fields it was built from."""
+class PyCUtensorMap:
+    """A tensor map of the model (named as Triton's): its bytes are the fields it was built from."""
 
     def __init__(self, payload):
         self.payload = payload
@@ -369,7 +371,10 @@ class _DescJIT:
             k = self.kernels.get(kw["BLOCK"])
             if k is None:
                 k = self.kernels[kw["BLOCK"]] = types.SimpleNamespace(
-                    run=_Launcher((0, 1), self.metas, self.scratch), function=object(), packed_metadata=("m",))
+                    run=_Launcher((0, 1), self.metas, self.scratch), function=object(), packed_metadata=("m",),
+                    src=types.SimpleNamespace(signature={"a_desc": "tensordesc<bf16[8,64]>",
+                                                         "b_desc": "tensordesc<bf16[16,64]>", "c": "*fp32",
+                                                         "M": "i32", "BLOCK": "constexpr"}))
             g = tuple(grid) + (1,) * (3 - len(grid))
             k.run(*g, "stream", k.function, k.packed_metadata, None, None, None, *vals)
             self.through += 1
@@ -387,11 +392,15 @@ def desc_model(model, monkeypatch):
         made.append(d)
         if meta is None:
             return [d.base, *d.shape, *d.strides, d.padding == "nan", *d.shape, *d.strides]
-        return [_Map((d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding, meta["swizzle"])),
+        return [PyCUtensorMap((d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding, meta["swizzle"])),
                 *d.shape, *d.strides]
 
     monkeypatch.setattr(DL, "_expand_descriptor", expand)
     monkeypatch.setattr(DL, "_map_bytes", lambda m: m.payload)
+    monkeypatch.setattr(DL, "_CudaLauncher", _Launcher)
+    monkeypatch.setattr(DL, "_is_c_function", lambda f: type(f) is _CLaunch)
+    monkeypatch.setattr(DL, "_WRAPPER_CODE", _descriptor_wrapper(None, {}, None).__code__)
+    monkeypatch.setattr(DL, "_wrap_descriptors", _descriptor_wrapper)
     return made
 
 
@@ -404,7 +413,7 @@ def _descs(a_off=0, n=64):
 
 
 def _normal(call):
-    return tuple(("map", a.payload) if isinstance(a, _Map) else a for a in call)
+    return tuple(("map", a.payload) if isinstance(a, PyCUtensorMap) else a for a in call)
 
 
 @pytest.mark.parametrize("lowered", [True, False])
@@ -434,8 +443,9 @@ def test_the_raw_launch_passes_what_the_launcher_would(model, desc_model, lowere
 
 
 def test_check_mode_catches_a_stale_expansion(model, desc_model):
-    """Negative control: a remembered expansion that no longer matches the descriptor (as if the
-    memo ignored the strides) fails the comparison that check mode makes after each direct launch."""
+    """Negative controls: a remembered expansion that no longer matches the descriptor (as if the
+    memo ignored the strides), or a wrong fixed launch argument, fails the comparison with
+    Triton's launcher that check mode makes after each direct launch."""
     fn = _DescJIT([{"swizzle": 3}, {"swizzle": 2}])
     dl = DL.DirectLaunch(fn)
     a0, w = _descs(0)
@@ -445,11 +455,16 @@ def test_check_mode_catches_a_stale_expansion(model, desc_model):
     (entry,) = dl._kernels.values()
     raw = entry[2]
     (key,) = raw.memo[1]
-    raw.memo[1][key] = [_Map("stale"), *raw.memo[1][key][1:]]
-    with pytest.raises(AssertionError, match="descriptor parameter 1"):
-        raw.check((a0, w, out, 8, 16))
+    raw.memo[1][key] = [PyCUtensorMap("stale"), *raw.memo[1][key][1:]]
+    (kernel,) = fn.kernels.values()
+    full = (a0, w, out, 8, 16)
+    with pytest.raises(AssertionError, match="differ"):
+        raw.check(kernel, 4, 1, 1, "stream", full)
     raw.memo[1].clear()
-    raw.check((a0, w, out, 8, 16))
+    raw.check(kernel, 4, 1, 1, "stream", full)
+    raw.head = raw.head[:1] + (True,) + raw.head[2:]  # a wrong cooperative-grid flag: caught too
+    with pytest.raises(AssertionError, match="differ"):
+        raw.check(kernel, 4, 1, 1, "stream", full)
 
 
 def test_raw_launch_steps_aside_for_scratch_and_stand_ins(model, desc_model):
@@ -464,6 +479,12 @@ def test_raw_launch_steps_aside_for_scratch_and_stand_ins(model, desc_model):
     (entry,) = dl._kernels.values()
     assert entry[2] is None and len(entry[0].run.c.calls) == 2
     assert DL._RawLaunch.of(types.SimpleNamespace(run=lambda *a: None)) is None
+    other = _DescJIT([{"swizzle": 3}, {"swizzle": 2}])
+    dl = DL.DirectLaunch(other)
+    dl((4,), a0, w, out, 8, BLOCK=16)
+    (kernel,) = other.kernels.values()
+    kernel.run.launch = lambda *a: None  # a launch function that is neither the C one nor Triton's wrapper
+    assert DL._RawLaunch.of(kernel) is None
 
 
 def test_the_descriptor_memo_is_bounded(model, desc_model, monkeypatch):

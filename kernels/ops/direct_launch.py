@@ -42,7 +42,9 @@ and padding instead of being rebuilt on every call; for a linear layer's weight 
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import types
 
 import torch
 import triton
@@ -55,10 +57,14 @@ try:  # the knobs and the driver of the Triton releases this module follows
     from triton.tools.tensor_descriptor import TensorDescriptor as _HostDescriptor
 except ImportError:  # pragma: no cover - an older Triton: every launch goes through Triton
     _knobs = _driver = _HostDescriptor = None
-try:  # how Triton 3.6's CUDA launcher expands a host descriptor into kernel arguments
-    from triton.backends.nvidia.driver import make_tensordesc_arg as _expand_descriptor
-except ImportError:  # pragma: no cover - no CUDA backend: the launcher is always called as it is
-    _expand_descriptor = None
+try:  # Triton 3.6's CUDA launcher: its class, how it expands a host descriptor, its fixed arguments
+    from triton.backends.nvidia import driver as _nv
+    _CudaLauncher, _expand_descriptor, _wrap_descriptors = (_nv.CudaLauncher, _nv.make_tensordesc_arg,
+                                                            _nv.wrap_handle_tensordesc)
+    if getattr(_nv, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO":  # not the launch convention modelled here
+        _CudaLauncher = None
+except (ImportError, AttributeError):  # pragma: no cover - no CUDA backend: the launcher is called as it is
+    _CudaLauncher = _expand_descriptor = _wrap_descriptors = None
 
 __all__ = ["DirectLaunch", "SUPPORTED_TRITON", "mode", "set_mode", "stats"]
 
@@ -231,7 +237,7 @@ class DirectLaunch:
         else:
             raw(grid[0], g1, g2, stream, full)
         if _mode == "check":
-            self._check(kernel, args, kw, full, device, raw)
+            self._check(kernel, grid, args, kw, full, device, raw)
         _stats["direct"] += 1
         return kernel
 
@@ -239,7 +245,7 @@ class DirectLaunch:
         _stats["through_triton"] += 1
         return self.fn[grid](*args, **kw)
 
-    def _check(self, kernel, args, kw, full, device, raw):
+    def _check(self, kernel, grid, args, kw, full, device, raw):
         """Triton's own binder and cache lookup for this call: the same kernel, the same arguments
         (and, for a launcher called without its Python frames, the same launch arguments)."""
         from triton.runtime.jit import compute_cache_key
@@ -258,7 +264,9 @@ class DirectLaunch:
         if len(values) != len(full) or not all(_same(a, b) for a, b in zip(values, full)):
             raise AssertionError(f"{self!r}: the direct launch's arguments differ from Triton's bound arguments")
         if raw is not None:
-            raw.check(full)
+            n = len(grid)
+            raw.check(kernel, grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                      _driver.active.get_current_stream(device), full)
         _stats["checked"] += 1
 
 
@@ -322,16 +330,19 @@ class _RawLaunch:
         """The raw launch of ``kernel``, or None where its launcher is not one this class models
         (another Triton, a launcher with scratch buffers, a stand-in kernel)."""
         run = getattr(kernel, "run", None)
-        need = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
-        if _expand_descriptor is None or not all(hasattr(run, a) for a in need):
+        if _CudaLauncher is None or type(run) is not _CudaLauncher or "__call__" in vars(run):
             return None
         if run.global_scratch_size or run.profile_scratch_size:
             return None
         launch = run.launch
         code = getattr(launch, "__code__", None)
         if code is None:  # the C function itself: no descriptor parameters
+            if not _is_c_function(launch):
+                return None
             c_launch, desc = launch, ()
-        else:  # Triton's descriptor-expanding wrapper around it
+        elif code is not _WRAPPER_CODE:  # not Triton's descriptor-expanding wrapper
+            return None
+        else:  # Triton's descriptor-expanding wrapper around the C function
             cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
             c_launch, idx, meta = cells.get("launcher"), cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
             if c_launch is None or idx is None or meta is None or len(meta) != len(idx):
@@ -345,7 +356,7 @@ class _RawLaunch:
         i, meta = self.desc[j]
         if meta is None:  # the compiler kept the descriptor in memory: its expansion holds the tensor
             return _expand_descriptor(d, meta)
-        key = (d.base.data_ptr(), *d.shape, *d.strides, d.padding)
+        key = (d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding)
         memo = self.memo[j]
         got = memo.get(key)
         if got is None:
@@ -354,9 +365,8 @@ class _RawLaunch:
             got = memo[key] = _expand_descriptor(d, meta)
         return got
 
-    def __call__(self, g0, g1, g2, stream, full):
-        if not self.desc:
-            return self.c_launch(g0, g1, g2, stream, *self.head, *full)
+    def args(self, g0, g1, g2, stream, full) -> list:
+        """What the C launch function receives for this launch."""
         args = [g0, g1, g2, stream, *self.head]
         at = 0
         for j, (i, _) in enumerate(self.desc):
@@ -364,32 +374,55 @@ class _RawLaunch:
             args += self._expanded(j, full[i])
             at = i + 1
         args += full[at:]
-        return self.c_launch(*args)
+        return args
 
-    def check(self, full):
-        """Every remembered descriptor expansion of this call equals a fresh one (the tensor map's
-        bytes, the shape and strides)."""
-        for j, (i, meta) in enumerate(self.desc):
-            mine, fresh = self._expanded(j, full[i]), _expand_descriptor(full[i], meta)
-            if len(mine) != len(fresh) or not all(_same_arg(a, b) for a, b in zip(mine, fresh)):
-                raise AssertionError(f"the remembered expansion of descriptor parameter {i} differs from Triton's")
+    def __call__(self, g0, g1, g2, stream, full):
+        if not self.desc:
+            return self.c_launch(g0, g1, g2, stream, *self.head, *full)
+        return self.c_launch(*self.args(g0, g1, g2, stream, full))
+
+    def check(self, kernel, g0, g1, g2, stream, full):
+        """The arguments of this launch equal those Triton's launcher would pass to the C function
+        (its own descriptor wrapper, recording instead of launching): the same order, every
+        remembered descriptor expansion equal to a fresh one (a tensor map byte for byte)."""
+        run = kernel.run
+        base = (g0, g1, g2, stream, kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                kernel.packed_metadata, None, None, None)  # CudaLauncher.__call__'s, without scratch or hooks
+        seen = []
+        mine = self.args(g0, g1, g2, stream, full)
+        if self.desc:
+            meta = [m for _, m in self.desc]
+            _wrap_descriptors(lambda *a: seen.extend(a), kernel.src.signature, meta)(*base, *full)
+        else:
+            seen = [*base, *full]
+        if len(mine) != len(seen) or not all(_same_arg(a, b) for a, b in zip(mine, seen)):
+            raise AssertionError("the raw launch's arguments differ from those Triton's launcher passes")
 
 
 def _same_arg(a, b) -> bool:
     if type(a) is not type(b):
         return False
-    if isinstance(a, (int, float, bool)) or a is None:
-        return a == b
+    if type(a).__name__ == "PyCUtensorMap":
+        return _map_bytes(a) == _map_bytes(b)
     if isinstance(a, torch.Tensor):
         return a is b
-    return _map_bytes(a) == _map_bytes(b)
+    return a is b or a == b
+
+
+def _is_c_function(f) -> bool:
+    return isinstance(f, types.BuiltinFunctionType)
+
+
+#: the code of Triton's descriptor-expanding launcher wrapper (what a launcher's ``launch`` runs
+#: for a kernel with descriptor parameters)
+_WRAPPER_CODE = (getattr(_wrap_descriptors(print, {0: "tensordesc<fp16[16]>"}, None), "__code__", None)
+                 if _wrap_descriptors is not None else None)
 
 
 def _map_bytes(m) -> bytes:
-    """The 128 bytes of a ``CUtensorMap`` Python object (Triton 3.6 keeps it 128-byte aligned at
-    the end of the object)."""
-    import ctypes
+    """The 128 bytes of a ``CUtensorMap`` Python object (Triton 3.6's object: a header, then the
+    map 128-byte aligned, 256 bytes in all)."""
     size = type(m).__basicsize__
-    if size < 128 + 16:
+    if size != 256:
         raise AssertionError(f"unexpected tensor map object {type(m).__name__} of {size} bytes")
     return ctypes.string_at(id(m) + size - 128, 128)
