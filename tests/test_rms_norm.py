@@ -475,6 +475,28 @@ def test_gpu_invariant_large_hidden(op, h):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm", "rms_norm_static_fp8_quant"])
+def test_gpu_head_dim_rows_one_warp_each(op, h, monkeypatch):
+    """Head-dim rows, one warp each and four to a program: batch-invariant (batches that end in
+    every slot of a program), and bitwise equal to one row per one-warp program."""
+    dtype = torch.bfloat16
+    batches, w = _Batches(h, dtype), _weight(h, dtype)
+    assert R.launch_info(7, h, dtype, op)["rows_per_program"] == R._WARP_ROWS
+    res = op in R._RESIDUAL
+    rep = check_invariance(lambda x, r: _call(op, x, r if res else None, w, "invariant"), batches,
+                           [1, 2, 3, 5, 7, 64, 255, 1001, 32768], seeds=[0, 1])
+    assert rep.passed, rep.summary()
+    x, r = batches(1001, 3)
+    packed = _call(op, x, r.clone(), w, "invariant")
+    monkeypatch.setitem(R.NUM_WARPS_OVERRIDE, h, 1)  # one row per program of one warp
+    assert R.launch_info(7, h, dtype, op)["rows_per_program"] == 1
+    alone = _call(op, x, r.clone(), w, "invariant")
+    assert all(torch.equal(bits(a.cpu()), bits(b.cpu())) for a, b in zip(packed, alone))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("h", [2048, 4096])
 def test_gpu_variant_diverges(h):
     dtype = torch.float32

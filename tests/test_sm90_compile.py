@@ -76,3 +76,22 @@ def test_the_shipped_schedules_are_compiled(compiled):
         assert f" {name} " in labels, f"matmul config {name} was not compiled"
     for r in res:  # the table's numbers are ptxas's: every compiled kernel has them
         assert r["registers"] > 0 and r["spill_stores"] >= 0 and r["shared"] >= 0
+
+
+def test_packed_head_dim_rows_are_summed_like_one_row_programs(tmp_path):
+    """RMSNorm packs rows of at most 256 columns one warp each, four to a program: Triton lays
+    the tile out so that every row is summed in the order of a one-row, one-warp program (the
+    same elements per thread, the same lanes); the control, eight rows sharing one warp's lanes,
+    is told apart by the same comparison."""
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "batch_invariance_kit.verify.sm90", "--row-layouts", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    shipped = [r for r in rows if not r.get("control")]
+    assert {r["block"] for r in shipped} == {64, 128, 256} and all(r["rows"] == 4 for r in shipped)
+    assert all(r["same"] for r in shipped), [r for r in shipped if not r["same"]]
+    controls = [r for r in rows if r.get("control")]
+    assert controls and not any(r["same"] for r in controls)

@@ -94,15 +94,31 @@ def production_max_block(num_tokens: int, op: str = "rms_norm") -> int:
     return 1024 if num_tokens < 256 else 256
 
 
+#: Rows of at most this many columns (head-dim norms, such as Qwen3's q/k norms) are summed by
+#: one warp each, :data:`_WARP_ROWS` rows (and warps) to a program: see :func:`_rows_per_program`.
+_WARP_ROW_MAX = 256
+_WARP_ROWS = 4
+
+
 def _rows_per_program(block: int) -> int:
     """Rows handled by one program: a function of the block (hence of ``hidden``) and the
-    execution mode, never of the batch.  Compiled on a GPU: one row per program (the
-    production layout).  Under the interpreter, which costs about a millisecond per program,
-    a tile of ``ROWS x BLOCK`` (~32k elements) cuts the number of programs; ``tl.sum`` over
-    axis 1 then reduces each row of the tile on its own, in the same order whatever ROWS is
-    (tests check the bits do not depend on the batch)."""
+    execution mode, never of the batch.
+
+    Compiled on a GPU: one row per program (the production layout), except rows of at most
+    :data:`_WARP_ROW_MAX` columns, which a program of one warp would sum: those are packed
+    :data:`_WARP_ROWS` to a program of as many warps.  Triton lays such a ``[ROWS, BLOCK]`` tile
+    out one row per warp with the same per-thread elements and the same 32 lanes along the row
+    as a one-row, one-warp program, so each row is summed in the same order (the offline sm_90
+    compile checks the layouts, the GPU tests the bits); and a program of four warps keeps an SM
+    full where one-warp programs hit its limit on resident blocks.  A warp count set through
+    :data:`NUM_WARPS_OVERRIDE` keeps one row per program.
+
+    Under the interpreter, which costs about a millisecond per program, a tile of
+    ``ROWS x BLOCK`` (~32k elements) cuts the number of programs; ``tl.sum`` over axis 1 then
+    reduces each row of the tile on its own, in the same order whatever ROWS is (tests check the
+    bits do not depend on the batch)."""
     if not INTERPRET:
-        return 1
+        return _WARP_ROWS if block <= _WARP_ROW_MAX and block not in NUM_WARPS_OVERRIDE else 1
     rows = max(1, min(_INTERPRET_MAX_ROWS, _INTERPRET_TILE // block))
     return 1 << (rows.bit_length() - 1)  # a power of two (tl.arange)
 
@@ -127,6 +143,8 @@ def _num_warps(block: int) -> int:
         return NUM_WARPS_OVERRIDE[block]
     if block in _MEASURED_NUM_WARPS:
         return _MEASURED_NUM_WARPS[block]
+    if block <= _WARP_ROW_MAX:  # compiled: one warp per row (_rows_per_program)
+        return _WARP_ROWS
     return min(max(block // 256, 1), 8)
 
 

@@ -161,9 +161,10 @@ def _rms_norm(rec, dev):
     from ..ops import rms_norm as R
 
     one = torch.ones(1, dtype=torch.float32, device=dev)
-    # hidden sizes: the e2e models' 2048, the benchmarks' 4096, and a row longer than the
-    # largest fused block (processed in fixed chunks); the variant on both sides of its switch
-    invariant = [(16, h, torch.bfloat16) for h in (2048, 4096, 2 * R._MAX_FUSED)]
+    # hidden sizes: a head dim (rows one warp each), the e2e models' 2048, the benchmarks' 4096,
+    # and a row longer than the largest fused block (processed in fixed chunks); the variant on
+    # both sides of its switch
+    invariant = [(16, h, torch.bfloat16) for h in (128, 2048, 4096, 2 * R._MAX_FUSED)]
     invariant += [(16, 4096, torch.float16), (16, 4096, torch.float32)]
     variant = [(255, 4096, torch.bfloat16), (300, 4096, torch.bfloat16)]
     for impl, shapes in (("invariant", invariant), ("variant", variant)):
@@ -496,6 +497,86 @@ def compile_all(jobs, processes: int = 1) -> list:
         return pool.map(_compile_index, range(len(_JOBS)), chunksize=1)
 
 
+_BLOCKED = re.compile(r"^(#\w+) = #ttg\.blocked<\{(.*)\}>$", re.M)
+_FIELD = re.compile(r"(\w+) = \[([\d, ]*)\]")
+
+
+def sum_layouts(ttgir: str) -> list:
+    """The blocked layout of each additive reduction's operand (a ``tt.reduce`` whose body adds)
+    in a kernel's TTGIR, as ``{"sizePerThread": [...], "threadsPerWarp": [...], "warpsPerCTA":
+    [...], "order": [...]}``.  The layout is the reduction's order: each thread adds its own
+    elements, then the lanes combine in the warp's shuffle tree, then the warps."""
+    layouts = {name: {k: [int(v) for v in vals.split(",")] for k, vals in _FIELD.findall(body)}
+               for name, body in _BLOCKED.findall(ttgir)}
+    lines, found = ttgir.splitlines(), []
+    for i, line in enumerate(lines):
+        if '"tt.reduce"' not in line:
+            continue
+        body = []
+        for nxt in lines[i + 1:]:
+            body.append(nxt)
+            if re.search(r"\}\) : \(tensor<", nxt):
+                break
+        if any("arith.addf" in b for b in body):
+            m = re.search(r": \(tensor<[^,]*, (#\w+)>", body[-1])
+            found.append(layouts[m.group(1)])
+    return found
+
+
+def same_row_order(a: dict, b: dict) -> bool:
+    """Whether two layouts of a ``[ROWS, BLOCK]`` tile reduced along axis 1 sum every row in the
+    same order: each row in one warp's lanes alone (one thread and one warp along axis 0), with
+    the same elements per thread, lanes and warps along the row, in the same order."""
+    def row_only(x):
+        return x["sizePerThread"][0] == 1 and x["threadsPerWarp"][0] == 1
+    return (row_only(a) and row_only(b) and a["order"] == b["order"]
+            and all(a[k][1] == b[k][1] for k in ("sizePerThread", "threadsPerWarp", "warpsPerCTA")))
+
+
+def rms_norm_row_layouts(blocks=(64, 128, 256)) -> list:
+    """For each RMSNorm op at each block that packs rows one warp each
+    (:func:`batch_invariance_kit.ops.rms_norm._rows_per_program`): the sum's layout as shipped and
+    as a program of one row and one warp compiles it, and whether they sum a row alike
+    (:func:`same_row_order`); then a control, eight rows in one warp (lanes shared between rows),
+    which must not.  Needs compiled mode (:func:`_compiled_mode`)."""
+    dev = _compiled_mode()
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from ..ops import rms_norm as R
+
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+
+    def layout(ln, rows, warps):
+        kw = dict(ln.kwargs, ROWS=rows, num_warps=warps)
+        _, sig, cx, attrs, opts, _ = prepare([Launch(ln.label, ln.fn, ln.args, kw)])[0]
+        k = triton.compile(ASTSource(ln.fn, sig, cx, attrs), target=GPUTarget("cuda", ARCH, 32),
+                           options=opts.__dict__)
+        (lay,) = sum_layouts(k.asm["ttgir"])
+        return lay
+
+    out = []
+    for h in blocks:
+        for op in ("rms_norm", "fused_add_rms_norm", "rms_norm_static_fp8_quant"):
+            rec = _Recorder()
+            with rec:
+                x = torch.empty((16, h), dtype=torch.bfloat16, device=dev)
+                args = [x] + ([torch.empty_like(x)] if "fused_add" in op else []) + \
+                    [torch.ones(h, dtype=torch.bfloat16, device=dev)] + ([one] if "static_fp8" in op else [])
+                rec.call(f"{op} hidden={h}", R.OPS[op], *args)
+            (ln,) = rec.launches
+            rows, warps = ln.kwargs["ROWS"], ln.kwargs["num_warps"]
+            shipped, single = layout(ln, rows, warps), layout(ln, 1, 1)
+            out.append({"op": op, "block": ln.kwargs["BLOCK"], "rows": rows, "num_warps": warps,
+                        "shipped": shipped, "one_row": single, "same": same_row_order(shipped, single)})
+            if h == 128 and op == "rms_norm":
+                ctl = layout(ln, 8, 1)
+                out.append({"op": op, "block": ln.kwargs["BLOCK"], "rows": 8, "num_warps": 1, "control": True,
+                            "shipped": ctl, "one_row": single, "same": same_row_order(ctl, single)})
+    return out
+
+
 def table(results) -> str:
     """A fixed-width table: kernel, warps, stages, registers, spills, stack, shared, seconds, first label."""
     head = f"{'kernel':<24}{'warps':>6}{'stages':>7}{'regs':>6}{'spill st/ld':>13}{'stack':>7}{'smem':>8}" \
@@ -518,7 +599,17 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", choices=sorted(DRIVERS), help="drivers to run (default: all)")
     p.add_argument("--json", help="write the results here (a list of objects, one per compiled kernel)")
     p.add_argument("--trials", action="store_true", help="also compile matmul's trial configs (not shipped)")
+    p.add_argument("--row-layouts", metavar="JSON",
+                   help="only compare RMSNorm's packed head-dim rows with one-row programs; write the layouts here")
     a = p.parse_args(argv)
+    if a.row_layouts:
+        rows = rms_norm_row_layouts()
+        with open(a.row_layouts, "w") as f:
+            json.dump(rows, f, indent=1)
+        for r in rows:
+            print(f"{r['op']:<28} block {r['block']:>4}  {r['rows']} rows, {r['num_warps']} warps: "
+                  f"{'same row order' if r['same'] else 'DIFFERENT row order'}{' (control)' if r.get('control') else ''}")
+        return 0 if all(r["same"] != bool(r.get("control")) for r in rows) else 1
     global TRIALS
     TRIALS = a.trials
     t0 = time.perf_counter()
