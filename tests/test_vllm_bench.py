@@ -531,6 +531,11 @@ def test_merge_joins_and_recomputes(tmp_path):
     c = [c for c in doc["comparisons"] if c["impl"] == "kit+attention"][0]
     assert c["ratio"] == pytest.approx(0.97) and c["resolved"]
     assert any(g.get("goal") and g["verdict"] == "met" for g in doc["checks"])
+    # a joined file joined again contributes its runs, each with its own provenance
+    results.save("vllm_bench", [_row("moe", "default", "tm", [10, 10, 10])], [], folder=tmp_path / "e")
+    again = json.loads(B.merge([path, tmp_path / "e" / "vllm_bench.json"], tmp_path / "f").read_text())
+    assert len(again["rows"]) == 3 and len(again["sources"]) == 3
+    assert again["sources"][:2] == doc["sources"] and all("jobs" in s for s in again["sources"])
     with pytest.raises(ValueError, match="not a result file"):
         (tmp_path / "bad.json").write_text("{}")
         B.merge([tmp_path / "bad.json"], tmp_path / "d")

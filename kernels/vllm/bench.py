@@ -1218,7 +1218,8 @@ def run_driver(a, *, launch=None, clock=time.time, save=None, gpu=None, online_j
 
 def merge(paths: list, out, *, name: str = "vllm_bench") -> Path:
     """Join result files (rows of later files replace the rows of earlier ones with the same
-    model, label, scenario and op) and recompute the comparisons and goals."""
+    model, label, scenario and op) and recompute the comparisons and goals.  A file that is
+    itself a join contributes its sources (each run's provenance), not the join's."""
     from ..report import results
 
     rows, sources, checks = {}, [], []
@@ -1226,8 +1227,11 @@ def merge(paths: list, out, *, name: str = "vllm_bench") -> Path:
         doc = json.loads(Path(p).read_text())
         if not {"provenance", "rows"} <= set(doc):
             raise ValueError(f"--merge: {p} is not a result file (no provenance/rows)")
-        sources.append({"file": results.portable(str(Path(p).resolve())), "provenance": doc["provenance"],
-                        "plan": doc.get("plan"), "jobs": doc.get("jobs")})
+        if doc.get("sources"):  # a joined file: its own sources, each with the provenance of its run
+            sources += doc["sources"]
+        else:
+            sources.append({"file": results.portable(str(Path(p).resolve())), "provenance": doc["provenance"],
+                            "plan": doc.get("plan"), "jobs": doc.get("jobs")})
         for r in doc["rows"]:
             rows[(r.get("op"), r.get("model"), r.get("impl"), r.get("scenario"))] = r
         checks += [c for c in doc.get("checks", []) if not c.get("goal")]
