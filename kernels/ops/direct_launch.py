@@ -144,8 +144,8 @@ def _spec(a):
         return None
     if t is _HostDescriptor:
         return ("desc", a.base.dtype, (a.base.data_ptr() & 15) == 0, tuple(a.block_shape),
-                getattr(a, "padding", None), tuple(_int_class(int(s)) for s in a.shape),
-                tuple(_int_class(int(s)) for s in a.strides))
+                getattr(a, "padding", None), tuple([_int_class(int(s)) for s in a.shape]),
+                tuple([_int_class(int(s)) for s in a.strides]))
     raise _Unsupported(t.__name__)
 
 
