@@ -442,22 +442,28 @@ def test_the_raw_launch_passes_what_the_launcher_would(model, desc_model, lowere
     assert direct_expansions == (3 if lowered else 16)  # a0, a1 and w once each; or every call
 
 
-def test_check_mode_catches_a_stale_expansion(model, desc_model):
-    """Negative controls: a remembered expansion that no longer matches the descriptor (as if the
-    memo ignored the strides), or a wrong fixed launch argument, fails the comparison with
-    Triton's launcher that check mode makes after each direct launch."""
-    fn = _DescJIT([{"swizzle": 3}, {"swizzle": 2}])
+def _launched_twice(scratch=0):
+    """A DirectLaunch over a descriptor kernel, called twice with one signature (the second call
+    direct): ``(model, wrapper, its remembered entry, the call's parameters)``."""
+    fn = _DescJIT([{"swizzle": 3}, {"swizzle": 2}], scratch=scratch)
     dl = DL.DirectLaunch(fn)
     a0, w = _descs(0)
     out = torch.zeros(8, 64)
     dl((4,), a0, w, out, 8, BLOCK=16)
     dl((4,), a0, w, out, 8, BLOCK=16)
     (entry,) = dl._kernels.values()
+    return fn, dl, entry, (a0, w, out, 8, 16)
+
+
+def test_check_mode_catches_a_stale_expansion(model, desc_model):
+    """Negative controls: a remembered expansion that no longer matches the descriptor (as if the
+    memo ignored the strides), or a wrong fixed launch argument, fails the comparison with
+    Triton's launcher that check mode makes after each direct launch."""
+    fn, _, entry, full = _launched_twice()
     raw = entry[2]
     (key,) = raw.memo[1]
     raw.memo[1][key] = [PyCUtensorMap("stale"), *raw.memo[1][key][1:]]
     (kernel,) = fn.kernels.values()
-    full = (a0, w, out, 8, 16)
     with pytest.raises(AssertionError, match="differ"):
         raw.check(kernel, 4, 1, 1, "stream", full)
     raw.memo[1].clear()
@@ -470,13 +476,7 @@ def test_check_mode_catches_a_stale_expansion(model, desc_model):
 def test_raw_launch_steps_aside_for_scratch_and_stand_ins(model, desc_model):
     """A launcher with a scratch buffer is called as it is (it allocates per call); so is a kernel
     whose ``run`` is not a launcher of this shape."""
-    fn = _DescJIT([{"swizzle": 3}, {"swizzle": 2}], scratch=64)
-    dl = DL.DirectLaunch(fn)
-    a0, w = _descs(0)
-    out = torch.zeros(8, 64)
-    dl((4,), a0, w, out, 8, BLOCK=16)
-    dl((4,), a0, w, out, 8, BLOCK=16)
-    (entry,) = dl._kernels.values()
+    _, _, entry, (a0, w, out, _, _) = _launched_twice(scratch=64)
     assert entry[2] is None and len(entry[0].run.c.calls) == 2
     assert DL._RawLaunch.of(types.SimpleNamespace(run=lambda *a: None)) is None
     other = _DescJIT([{"swizzle": 3}, {"swizzle": 2}])
