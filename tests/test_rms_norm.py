@@ -475,12 +475,12 @@ def test_gpu_invariant_large_hidden(op, h):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("h,dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (256, torch.bfloat16),
+                                     (256, torch.float16), (128, torch.float32)])
 @pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm", "rms_norm_static_fp8_quant"])
-def test_gpu_head_dim_rows_one_warp_each(op, h, monkeypatch):
+def test_gpu_head_dim_rows_one_warp_each(op, h, dtype, monkeypatch):
     """Head-dim rows, one warp each and four to a program: batch-invariant (batches that end in
     every slot of a program), and bitwise equal to one row per one-warp program."""
-    dtype = torch.bfloat16
     batches, w = _Batches(h, dtype), _weight(h, dtype)
     assert R.launch_info(7, h, dtype, op)["rows_per_program"] == R._WARP_ROWS
     res = op in R._RESIDUAL
@@ -493,6 +493,25 @@ def test_gpu_head_dim_rows_one_warp_each(op, h, monkeypatch):
     assert R.launch_info(7, h, dtype, op)["rows_per_program"] == 1
     alone = _call(op, x, r.clone(), w, "invariant")
     assert all(torch.equal(bits(a.cpu()), bits(b.cpu())) for a, b in zip(packed, alone))
+
+
+def test_compiled_rows_packed_only_when_one_warp_holds_them(monkeypatch):
+    """The compiled launch rule (read with the interpreter switched off in this module): head-dim
+    rows that one warp holds are packed four to a program of four warps; fp32 rows of 256 columns
+    (two warps' worth), rows narrower than a warp's lanes, rows summed in chunks (the variant's
+    4096-wide rows at 256 tokens) and a warp count set by hand keep one row per program."""
+    monkeypatch.setattr(R, "INTERPRET", False)
+    for h, dt in ((64, torch.bfloat16), (256, torch.bfloat16), (256, torch.float16), (128, torch.float32)):
+        c = R.launch_info(7, h, dt)
+        assert (c["rows_per_program"], c["num_warps"], c["grid"]) == (R._WARP_ROWS, R._WARP_ROWS, 2), (h, dt)
+    assert R.launch_info(7, 16, torch.bfloat16)["rows_per_program"] == 1
+    assert R.launch_info(7, 512, torch.bfloat16)["rows_per_program"] == 1
+    assert R.launch_info(7, 256, torch.float32)["rows_per_program"] == 1
+    assert R.launch_info(7, 256, torch.bfloat16)["rows_per_program"] == R._WARP_ROWS
+    assert R.launch_info(300, 4096, torch.bfloat16, invariant=False)["block"] == 256
+    assert R.launch_info(300, 4096, torch.bfloat16, invariant=False)["rows_per_program"] == 1
+    monkeypatch.setitem(R.NUM_WARPS_OVERRIDE, 128, 1)
+    assert R.launch_info(7, 128, torch.bfloat16)["rows_per_program"] == 1
 
 
 @pytest.mark.gpu

@@ -79,10 +79,11 @@ def test_the_shipped_schedules_are_compiled(compiled):
 
 
 def test_packed_head_dim_rows_are_summed_like_one_row_programs(tmp_path):
-    """RMSNorm packs rows of at most 256 columns one warp each, four to a program: Triton lays
-    the tile out so that every row is summed in the order of a one-row, one-warp program (the
-    same elements per thread, the same lanes); the control, eight rows sharing one warp's lanes,
-    is told apart by the same comparison."""
+    """RMSNorm packs head-dim rows (at most 512 bytes: 256 columns of bf16, 128 of fp32) one warp
+    each, four to a program: Triton lays the tile out so that every row is summed in the order of
+    a one-row, one-warp program (the same elements per thread, the same lanes).  The controls,
+    eight rows sharing one warp's lanes and fp32 rows of 256 split over two warps, are told apart
+    by the same comparison, and the kit does not pack the latter."""
     out = tmp_path / "rows.json"
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
     env.pop("TRITON_INTERPRET", None)
@@ -91,7 +92,12 @@ def test_packed_head_dim_rows_are_summed_like_one_row_programs(tmp_path):
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     shipped = [r for r in rows if not r.get("control")]
-    assert {r["block"] for r in shipped} == {64, 128, 256} and all(r["rows"] == 4 for r in shipped)
+    assert {(r["dtype"], r["block"]) for r in shipped} == {
+        ("bfloat16", 64), ("bfloat16", 128), ("bfloat16", 256), ("float16", 128), ("float16", 256),
+        ("float32", 64), ("float32", 128)}
+    assert all(r["rows"] == 4 for r in shipped)
     assert all(r["same"] for r in shipped), [r for r in shipped if not r["same"]]
-    controls = [r for r in rows if r.get("control")]
-    assert controls and not any(r["same"] for r in controls)
+    controls = {r["control"]: r for r in rows if r.get("control")}
+    assert set(controls) == {"eight rows in one warp", "fp32 rows of 256 packed"}
+    assert not any(r["same"] for r in controls.values())
+    assert controls["fp32 rows of 256 packed"]["shipped_rows"] == 1  # the kit keeps those one per program

@@ -536,6 +536,10 @@ def test_merge_joins_and_recomputes(tmp_path):
     again = json.loads(B.merge([path, tmp_path / "e" / "vllm_bench.json"], tmp_path / "f").read_text())
     assert len(again["rows"]) == 3 and len(again["sources"]) == 3
     assert again["sources"][:2] == doc["sources"] and all("jobs" in s for s in again["sources"])
+    assert sorted((r["model"], r["impl"], r["source"]) for r in again["rows"]) == [
+        ("dense", "default", 0), ("dense", "kit+attention", 1), ("moe", "default", 2)]  # each row's run, kept
+    c = [c for c in again["comparisons"] if c["impl"] == "kit+attention"][0]
+    assert c["runs"] == [1, 0] and c["why"] is None
     with pytest.raises(ValueError, match="not a result file"):
         (tmp_path / "bad.json").write_text("{}")
         B.merge([tmp_path / "bad.json"], tmp_path / "d")
@@ -685,3 +689,20 @@ def test_live_worker_on_vllms_cpu_build(tmp_path):
         assert rep["requests"] == 5 and rep["prompt_tokens"] == 5 * 6 and rep["output_tokens"] == 5 * 26
     assert row["measures"]["output_tokens_per_s"]["n"] == 3 and row["engine"]["enforce_eager"] is True
     assert "tiny / decode" in B.table([row], B.comparisons([row]))
+
+
+def test_a_joined_row_without_its_run_is_placed_by_plan_and_jobs():
+    def src(models, scenarios, jobs):
+        return {"plan": {"models": models, "scenarios": dict.fromkeys(scenarios, {})},
+                "jobs": [{"label": lab, "model": m, "status": st} for lab, m, st in jobs]}
+
+    sources = [src(["dense"], ["tm", "decode"], [("default", "dense", "ran"), ("kit+attention alone", "dense", "ran")]),
+               src(["dense"], ["tm"], [("invariant", "dense", "ran")]),
+               src(["dense"], ["tm"], [("default", "dense", "ran"), ("kit+attention alone", "dense", "skipped")])]
+    row = {"model": "dense", "scenario": "tm"}
+    assert B._row_source(dict(row, impl="default"), sources) == 2  # the last run that ran it
+    assert B._row_source(dict(row, impl="kit+attention alone"), sources) == 0  # run 2 skipped it
+    assert B._row_source(dict(row, impl="invariant"), sources) == 1
+    assert B._row_source(dict(row, impl="invariant", source=0), sources) == 0  # a row that names its run
+    with pytest.raises(ValueError, match="no run"):
+        B._row_source(dict(row, impl="default", model="moe"), sources)

@@ -118,7 +118,9 @@ def _triton_supported() -> bool:
     return any(triton.__version__ == v or triton.__version__.startswith(v + ".") for v in SUPPORTED_TRITON)
 
 
-_SUPPORTED = _triton_supported() and not INTERPRET
+#: a compiled launch on a CUDA device (compiling offline for sm_90 on a machine without one, every
+#: launch goes through Triton: see :mod:`batch_invariance_kit.verify.sm90`)
+_SUPPORTED = _triton_supported() and not INTERPRET and torch.cuda.is_available()
 
 
 class _Unsupported(Exception):

@@ -94,31 +94,40 @@ def production_max_block(num_tokens: int, op: str = "rms_norm") -> int:
     return 1024 if num_tokens < 256 else 256
 
 
-#: Rows of at most this many columns (head-dim norms, such as Qwen3's q/k norms) are summed by
-#: one warp each, :data:`_WARP_ROWS` rows (and warps) to a program: see :func:`_rows_per_program`.
-_WARP_ROW_MAX = 256
+#: Rows of one chunk whose ``BLOCK`` elements take at most this many bytes (16 per lane of one
+#: warp: a head-dim norm such as Qwen3's q/k norms, up to 256 columns of bf16 or 128 of fp32)
+#: are summed by one warp each, :data:`_WARP_ROWS` rows (and warps) to a program: see
+#: :func:`_rows_per_program`.
+_WARP_ROW_BYTES = 512
 _WARP_ROWS = 4
 
 
-def _rows_per_program(block: int) -> int:
-    """Rows handled by one program: a function of the block (hence of ``hidden``) and the
-    execution mode, never of the batch.
+def _packed(hidden: int, block: int, itemsize: int) -> bool:
+    """Whether compiled programs pack rows one warp each (:func:`_rows_per_program`): a row of
+    one chunk, at least a warp's 32 lanes wide, of at most :data:`_WARP_ROW_BYTES`, with no warp
+    count set through :data:`NUM_WARPS_OVERRIDE`."""
+    return (not INTERPRET and hidden <= block and 32 <= block and block * itemsize <= _WARP_ROW_BYTES
+            and block not in NUM_WARPS_OVERRIDE)
 
-    Compiled on a GPU: one row per program (the production layout), except rows of at most
-    :data:`_WARP_ROW_MAX` columns, which a program of one warp would sum: those are packed
+
+def _rows_per_program(block: int, packed: bool) -> int:
+    """Rows handled by one program: a function of the row's shape and dtype and the execution
+    mode, never of the batch.
+
+    Compiled on a GPU: one row per program (the production layout), except rows that
+    :func:`_packed` selects, which a program of one warp would sum: those are packed
     :data:`_WARP_ROWS` to a program of as many warps.  Triton lays such a ``[ROWS, BLOCK]`` tile
     out one row per warp with the same per-thread elements and the same 32 lanes along the row
     as a one-row, one-warp program, so each row is summed in the same order (the offline sm_90
-    compile checks the layouts, the GPU tests the bits); and a program of four warps keeps an SM
-    full where one-warp programs hit its limit on resident blocks.  A warp count set through
-    :data:`NUM_WARPS_OVERRIDE` keeps one row per program.
+    compile compares the layouts, the GPU tests the bits); and a program of four warps keeps an
+    SM full where one-warp programs hit its limit on resident blocks.
 
     Under the interpreter, which costs about a millisecond per program, a tile of
     ``ROWS x BLOCK`` (~32k elements) cuts the number of programs; ``tl.sum`` over axis 1 then
     reduces each row of the tile on its own, in the same order whatever ROWS is (tests check the
     bits do not depend on the batch)."""
     if not INTERPRET:
-        return _WARP_ROWS if block <= _WARP_ROW_MAX and block not in NUM_WARPS_OVERRIDE else 1
+        return _WARP_ROWS if packed else 1
     rows = max(1, min(_INTERPRET_MAX_ROWS, _INTERPRET_TILE // block))
     return 1 << (rows.bit_length() - 1)  # a power of two (tl.arange)
 
@@ -138,12 +147,12 @@ _MEASURED_NUM_WARPS = {4096: 4}
 BF16_HW_CAST = True
 
 
-def _num_warps(block: int) -> int:
+def _num_warps(block: int, packed: bool) -> int:
     if block in NUM_WARPS_OVERRIDE:
         return NUM_WARPS_OVERRIDE[block]
     if block in _MEASURED_NUM_WARPS:
         return _MEASURED_NUM_WARPS[block]
-    if block <= _WARP_ROW_MAX:  # compiled: one warp per row (_rows_per_program)
+    if packed:  # one warp per row (_rows_per_program)
         return _WARP_ROWS
     return min(max(block // 256, 1), 8)
 
@@ -166,7 +175,8 @@ def launch_info(num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat1
         raise TypeError(f"dtype must be one of {checks.FLOAT_DTYPES}, got {dtype}")
     max_block = _max_block(num_tokens, op, invariant)
     block = _block(hidden, max_block, invariant)
-    rows = _rows_per_program(block)
+    packed = _packed(hidden, block, dtype.itemsize)
+    rows = _rows_per_program(block, packed)
     return {
         "op": op,
         "impl": "invariant" if invariant else "variant",
@@ -177,7 +187,7 @@ def launch_info(num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat1
         "block": block,
         "num_chunks": -(-hidden // block),
         "rows_per_program": rows,
-        "num_warps": _num_warps(block),
+        "num_warps": _num_warps(block, packed),
         "grid": -(-num_tokens // rows),
     }
 
@@ -198,16 +208,17 @@ def _block(hidden: int, max_block: int, invariant: bool) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _kernel_params(op: str, hidden: int, max_block: int, invariant: bool, group_size: int, has_residual: bool,
-                   knobs: tuple) -> tuple:
+def _kernel_params(op: str, hidden: int, itemsize: int, max_block: int, invariant: bool, group_size: int,
+                   has_residual: bool, knobs: tuple) -> tuple:
     """``(rows per program, constexprs and launch options)`` of ``_rms_norm_kernel``: what
-    :func:`launch_info` decides, cached per row shape (``knobs``: the tuning values that the
-    decision reads, so that changing one takes effect)."""
+    :func:`launch_info` decides, cached per row shape and element size (``knobs``: the tuning
+    values that the decision reads, so that changing one takes effect)."""
     block = _block(hidden, max_block, invariant)
-    rows = _rows_per_program(block)
+    packed = _packed(hidden, block, itemsize)
+    rows = _rows_per_program(block, packed)
     return rows, dict(H=hidden, BLOCK=block, NUM_CHUNKS=-(-hidden // block), ROWS=rows, HAS_RESIDUAL=has_residual,
                       QUANT=_QUANT[op], GROUP=group_size, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, HW_CAST=knobs[3],
-                      num_warps=_num_warps(block))
+                      num_warps=_num_warps(block, packed))
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,7 +384,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, sca
 def _launch(op, x, residual, residual_out, weight, out, scale, scales, eps, group_size, invariant):
     n, h = x.shape
     knobs = (_INTERPRET_MAX_ROWS, _INTERPRET_TILE, tuple(NUM_WARPS_OVERRIDE.items()), BF16_HW_CAST and not INTERPRET)
-    rows, kw = _kernel_params(op, h, _max_block(n, op, invariant), invariant, group_size, residual is not None, knobs)
+    rows, kw = _kernel_params(op, h, x.element_size(), _max_block(n, op, invariant), invariant, group_size,
+                              residual is not None, knobs)
     _RMS_NORM((-(-n // rows),),
         x, residual if residual is not None else x, residual_out if residual_out is not None else x,
         weight, out, scale if scale is not None else weight, scales if scales is not None else out,

@@ -504,7 +504,8 @@ _FIELD = re.compile(r"(\w+) = \[([\d, ]*)\]")
 def sum_layouts(ttgir: str) -> list:
     """The blocked layout of each additive reduction's operand (a ``tt.reduce`` whose body adds)
     in a kernel's TTGIR, as ``{"sizePerThread": [...], "threadsPerWarp": [...], "warpsPerCTA":
-    [...], "order": [...]}``.  The layout is the reduction's order: each thread adds its own
+    [...], "order": [...], "axis": reduced axis}`` (only the axis for a layout that is not
+    blocked).  The layout is the reduction's order: each thread adds its own
     elements, then the lanes combine in the warp's shuffle tree, then the warps."""
     layouts = {name: {k: [int(v) for v in vals.split(",")] for k, vals in _FIELD.findall(body)}
                for name, body in _BLOCKED.findall(ttgir)}
@@ -519,7 +520,8 @@ def sum_layouts(ttgir: str) -> list:
                 break
         if any("arith.addf" in b for b in body):
             m = re.search(r": \(tensor<[^,]*, (#\w+)>", body[-1])
-            found.append(layouts[m.group(1)])
+            axis = re.search(r"axis = (\d+)", line + "".join(body))
+            found.append(dict(layouts.get(m.group(1), {}), axis=int(axis.group(1)) if axis else None))
     return found
 
 
@@ -528,17 +530,19 @@ def same_row_order(a: dict, b: dict) -> bool:
     same order: each row in one warp's lanes alone (one thread and one warp along axis 0), with
     the same elements per thread, lanes and warps along the row, in the same order."""
     def row_only(x):
-        return x["sizePerThread"][0] == 1 and x["threadsPerWarp"][0] == 1
+        return x.get("axis") == 1 and "order" in x and x["sizePerThread"][0] == 1 and x["threadsPerWarp"][0] == 1
     return (row_only(a) and row_only(b) and a["order"] == b["order"]
             and all(a[k][1] == b[k][1] for k in ("sizePerThread", "threadsPerWarp", "warpsPerCTA")))
 
 
-def rms_norm_row_layouts(blocks=(64, 128, 256)) -> list:
-    """For each RMSNorm op at each block that packs rows one warp each
-    (:func:`batch_invariance_kit.ops.rms_norm._rows_per_program`): the sum's layout as shipped and
-    as a program of one row and one warp compiles it, and whether they sum a row alike
-    (:func:`same_row_order`); then a control, eight rows in one warp (lanes shared between rows),
-    which must not.  Needs compiled mode (:func:`_compiled_mode`)."""
+def rms_norm_row_layouts() -> list:
+    """For each RMSNorm op at each row shape whose rows are packed one warp each
+    (:func:`batch_invariance_kit.ops.rms_norm._packed`: head dims 64-256 in bf16 and fp16, 64-128
+    in fp32): the sum's layout as shipped and as a program of one row and one warp compiles it,
+    and whether they sum a row alike (:func:`same_row_order`).  Then two controls that must
+    differ: eight rows in one warp (lanes shared between rows), and fp32 rows of 256 packed four
+    to four warps (a row split over two warps), which the kit does not pack (its entry records
+    one row per program).  Needs compiled mode (:func:`_compiled_mode`)."""
     dev = _compiled_mode()
     import torch
     import triton
@@ -556,24 +560,31 @@ def rms_norm_row_layouts(blocks=(64, 128, 256)) -> list:
         (lay,) = sum_layouts(k.asm["ttgir"])
         return lay
 
+    def launch(op, h, dt):
+        rec = _Recorder()
+        with rec:
+            x = torch.empty((16, h), dtype=dt, device=dev)
+            args = [x] + ([torch.empty_like(x)] if "fused_add" in op else []) + \
+                [torch.ones(h, dtype=dt, device=dev)] + ([one] if "static_fp8" in op else [])
+            rec.call(f"{op} {_dname(dt)} hidden={h}", R.OPS[op], *args)
+        (ln,) = rec.launches
+        return ln
+
+    def entry(ln, dt, rows, warps, **extra):
+        lay, single = layout(ln, rows, warps), layout(ln, 1, 1)
+        return {"op": ln.label.split()[0], "dtype": _dname(dt), "block": ln.kwargs["BLOCK"], "rows": rows,
+                "num_warps": warps, "shipped": lay, "one_row": single, "same": same_row_order(lay, single), **extra}
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     out = []
-    for h in blocks:
+    for dt, h in ((bf16, 64), (bf16, 128), (bf16, 256), (fp16, 128), (fp16, 256), (fp32, 64), (fp32, 128)):
         for op in ("rms_norm", "fused_add_rms_norm", "rms_norm_static_fp8_quant"):
-            rec = _Recorder()
-            with rec:
-                x = torch.empty((16, h), dtype=torch.bfloat16, device=dev)
-                args = [x] + ([torch.empty_like(x)] if "fused_add" in op else []) + \
-                    [torch.ones(h, dtype=torch.bfloat16, device=dev)] + ([one] if "static_fp8" in op else [])
-                rec.call(f"{op} hidden={h}", R.OPS[op], *args)
-            (ln,) = rec.launches
-            rows, warps = ln.kwargs["ROWS"], ln.kwargs["num_warps"]
-            shipped, single = layout(ln, rows, warps), layout(ln, 1, 1)
-            out.append({"op": op, "block": ln.kwargs["BLOCK"], "rows": rows, "num_warps": warps,
-                        "shipped": shipped, "one_row": single, "same": same_row_order(shipped, single)})
-            if h == 128 and op == "rms_norm":
-                ctl = layout(ln, 8, 1)
-                out.append({"op": op, "block": ln.kwargs["BLOCK"], "rows": 8, "num_warps": 1, "control": True,
-                            "shipped": ctl, "one_row": single, "same": same_row_order(ctl, single)})
+            ln = launch(op, h, dt)
+            out.append(entry(ln, dt, ln.kwargs["ROWS"], ln.kwargs["num_warps"]))
+    ln = launch("rms_norm", 128, bf16)
+    out.append(entry(ln, bf16, 8, 1, control="eight rows in one warp"))
+    ln = launch("rms_norm", 256, fp32)
+    out.append(entry(ln, fp32, 4, 4, control="fp32 rows of 256 packed", shipped_rows=ln.kwargs["ROWS"]))
     return out
 
 
@@ -607,7 +618,7 @@ def main(argv=None) -> int:
         with open(a.row_layouts, "w") as f:
             json.dump(rows, f, indent=1)
         for r in rows:
-            print(f"{r['op']:<28} block {r['block']:>4}  {r['rows']} rows, {r['num_warps']} warps: "
+            print(f"{r['op']:<28} {r['dtype']:<9} block {r['block']:>4}  {r['rows']} rows, {r['num_warps']} warps: "
                   f"{'same row order' if r['same'] else 'DIFFERENT row order'}{' (control)' if r.get('control') else ''}")
         return 0 if all(r["same"] != bool(r.get("control")) for r in rows) else 1
     global TRIALS

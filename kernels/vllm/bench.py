@@ -328,7 +328,8 @@ def compare(x: list, ref: list, *, higher_is_better: bool = True, fraction: floa
     least :data:`MIN_REPEATS` repeats and the difference it reports, ``median(x) - fraction *
     median(ref)``, is larger than the spread (max - min) of either side (``ref``'s scaled by
     ``fraction``); then ``better`` says whether ``x`` is on the good side of ``fraction * ref``.
-    Unresolved, ``ratio`` and ``better`` are ``None`` and ``text`` gives both medians and spreads."""
+    Unresolved, ``ratio`` and ``better`` are ``None``, ``why`` says why, and ``text`` gives both
+    medians and spreads."""
     positive_float("fraction", fraction)
     sx, sr = stats(x), stats(ref)
     diff = sx["median"] - fraction * sr["median"]
@@ -341,11 +342,9 @@ def compare(x: list, ref: list, *, higher_is_better: bool = True, fraction: floa
            "better": ((diff > 0) == higher_is_better) if resolved else None}
     both = (f"{names[0]} {_fmt(sx['median'])} (spread {_fmt(sx['spread'])}, n={sx['n']}) vs "
             f"{names[1]} {_fmt(sr['median'])} (spread {_fmt(sr['spread'])}, n={sr['n']})")
-    if resolved:
-        out["text"] = f"{ratio:.3f}x ({both})"
-    else:
-        why = f"fewer than {MIN_REPEATS} repeats" if not enough else "the spread exceeds the difference"
-        out["text"] = f"unresolved ({why}): {both}"
+    out["why"] = None if resolved else (f"fewer than {MIN_REPEATS} repeats" if not enough
+                                        else "the spread exceeds the difference")
+    out["text"] = f"{ratio:.3f}x ({both})" if resolved else f"unresolved ({out['why']}): {both}"
     return out
 
 
@@ -360,7 +359,8 @@ def _measured(rows: list) -> list:
 
 def comparisons(rows: list) -> list:
     """Every label against default (and kit labels against invariant) per (model, scenario) and
-    compared measure, from the rows' repeats."""
+    compared measure, from the rows' repeats.  ``runs``: the two rows' ``source`` (the run each
+    came from in a joined file; ``None`` in one run's file)."""
     out = []
     for (model, scen), labels in _measured(rows):
         for lab, row in labels.items():
@@ -375,9 +375,9 @@ def comparisons(rows: list) -> list:
                         continue
                     c = compare(xs, rs, higher_is_better=hib, names=(lab, ref))
                     out.append({"model": model, "scenario": scen, "impl": lab, "against": ref, "measure": measure,
-                                "higher_is_better": hib, **{k: c[k] for k in ("ratio", "nominal_ratio", "resolved",
-                                                                               "better", "difference", "noise",
-                                                                               "text")}})
+                                "higher_is_better": hib, "runs": [row.get("source"), labels[ref].get("source")],
+                                **{k: c[k] for k in ("ratio", "nominal_ratio", "resolved", "better", "difference",
+                                                     "noise", "why", "text")}})
     return out
 
 
@@ -1216,10 +1216,27 @@ def run_driver(a, *, launch=None, clock=time.time, save=None, gpu=None, online_j
 # Merge, dry run, main
 # ---------------------------------------------------------------------------------------------
 
+def _row_source(row: dict, sources: list) -> int:
+    """The index of a joined file's row's run: its ``source``, or for a row joined without one, the
+    last run whose plan holds the row's model and scenario and whose jobs ran its label (later
+    runs replace earlier ones when joined)."""
+    if row.get("source") is not None:
+        return row["source"]
+    for k in reversed(range(len(sources))):
+        plan, jobs = sources[k].get("plan") or {}, sources[k].get("jobs") or []
+        if (row.get("model") in plan.get("models", ()) and row.get("scenario") in plan.get("scenarios", {})
+                and any(j.get("label") == row.get("impl") and j.get("model") == row.get("model")
+                        and j.get("status") == "ran" for j in jobs)):
+            return k
+    raise ValueError(f"--merge: no run of the joined file holds the row {row.get('model')} {row.get('impl')} "
+                     f"{row.get('scenario')}")
+
+
 def merge(paths: list, out, *, name: str = "vllm_bench") -> Path:
     """Join result files (rows of later files replace the rows of earlier ones with the same
     model, label, scenario and op) and recompute the comparisons and goals.  A file that is
-    itself a join contributes its sources (each run's provenance), not the join's."""
+    itself a join contributes its sources (each run's provenance), not the join's.  Each row
+    keeps ``source``, the index of its run in the joined file's ``sources``."""
     from ..report import results
 
     rows, sources, checks = {}, [], []
@@ -1227,13 +1244,15 @@ def merge(paths: list, out, *, name: str = "vllm_bench") -> Path:
         doc = json.loads(Path(p).read_text())
         if not {"provenance", "rows"} <= set(doc):
             raise ValueError(f"--merge: {p} is not a result file (no provenance/rows)")
+        first = len(sources)
         if doc.get("sources"):  # a joined file: its own sources, each with the provenance of its run
             sources += doc["sources"]
         else:
             sources.append({"file": results.portable(str(Path(p).resolve())), "provenance": doc["provenance"],
                             "plan": doc.get("plan"), "jobs": doc.get("jobs")})
-        for r in doc["rows"]:
-            rows[(r.get("op"), r.get("model"), r.get("impl"), r.get("scenario"))] = r
+        for r in doc["rows"]:  # each row names its run: an index into the joined file's sources
+            src = first + _row_source(r, doc["sources"]) if doc.get("sources") else first
+            rows[(r.get("op"), r.get("model"), r.get("impl"), r.get("scenario"))] = dict(r, source=src)
         checks += [c for c in doc.get("checks", []) if not c.get("goal")]
     rows = list(rows.values())
     return results.save(name, rows, checks + goal_checks(rows), folder=Path(out),

@@ -177,7 +177,8 @@ with torch.inference_mode():
         med, lo, hi = host_us(fn)
         dev_t = device_us(fn)
         rows.append({"op": "host_cost", "call": name, "tokens": T, "hidden": H, "stub": args.stub,
-                     "direct_launch": DL.mode(), "raw_launch": not args.launcher,
+                     "direct_launch": DL.mode(),
+                     "raw_launch": DL._SUPPORTED and DL.mode() != "off" and not (args.launcher or args.stub),
                      "host_us": med, "host_min_us": lo, "host_max_us": hi, "device_us": dev_t,
                      **({"cprofile_top": top_functions(fn, args.cprofile)} if args.cprofile else {})})
         print(f"{name:<34} host {med:7.1f} us (min {lo:.1f}, max {hi:.1f})"
@@ -185,4 +186,6 @@ with torch.inference_mode():
 if args.out:
     print(R.save("host_cost", rows, [], folder=args.out,
                  command=f"KIT_DIRECT_LAUNCH={DL.mode()} python tools/oneoff/host_cost.py <dir>"
-                 + (" --stub" if args.stub else "") + (" --launcher" if args.launcher else "")))
+                 + (" --stub" if args.stub else "") + (" --launcher" if args.launcher else "")
+                 + (f" --cprofile {args.cprofile}" if args.cprofile else "")
+                 + (f" --tokens {args.tokens}" if args.tokens else "")))

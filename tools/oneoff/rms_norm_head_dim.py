@@ -5,7 +5,6 @@ CUDA graph of 10 calls, replayed 25 times; median, min and max per call.
 
     python tools/oneoff/rms_norm_head_dim.py OUT_DIR
 """
-import os
 import statistics
 import sys
 
@@ -51,6 +50,6 @@ for T in (1, 64, 512, 1000, 4096, 16384):
                      "one_row_us": old[0], "one_row_min_us": old[1], "one_row_max_us": old[2],
                      "one_row_over_packed": old[0] / new[0],
                      "bits_equal": bool(torch.equal(o1.view(torch.int16), o2.view(torch.int16)))})
-print(RS.save("rms_norm_head_dim", rows, [], folder=os.path.join(sys.argv[1], "hd"),
+print(RS.save("rms_norm_head_dim", rows, [], folder=sys.argv[1],
               command="python tools/oneoff/rms_norm_head_dim.py <dir>"))
 print(all(r["bits_equal"] for r in rows), min(r["one_row_over_packed"] for r in rows))
