@@ -239,7 +239,7 @@ class DirectLaunch:
         else:
             raw(grid[0], g1, g2, stream, full)
         if _mode == "check":
-            self._check(kernel, grid, args, kw, full, device, raw)
+            self._check(kernel, args, kw, full, device, raw, (grid[0], g1, g2, stream))
         _stats["direct"] += 1
         return kernel
 
@@ -247,7 +247,7 @@ class DirectLaunch:
         _stats["through_triton"] += 1
         return self.fn[grid](*args, **kw)
 
-    def _check(self, kernel, grid, args, kw, full, device, raw):
+    def _check(self, kernel, args, kw, full, device, raw, launch):
         """Triton's own binder and cache lookup for this call: the same kernel, the same arguments
         (and, for a launcher called without its Python frames, the same launch arguments)."""
         from triton.runtime.jit import compute_cache_key
@@ -265,10 +265,8 @@ class DirectLaunch:
         values = list(bound.values())
         if len(values) != len(full) or not all(_same(a, b) for a, b in zip(values, full)):
             raise AssertionError(f"{self!r}: the direct launch's arguments differ from Triton's bound arguments")
-        if raw is not None:
-            n = len(grid)
-            raw.check(kernel, grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-                      _driver.active.get_current_stream(device), full)
+        if raw is not None:  # launch: the padded grid and the stream of this call
+            raw.check(kernel, *launch, full)
         _stats["checked"] += 1
 
 

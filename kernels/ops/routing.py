@@ -203,7 +203,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: RoutingConfig, *, impl:
     ids = torch.empty((T, k), dtype=torch.int32, device=logits.device)
     tree = impl == "variant" and T >= VARIANT_TREE_FROM
     _DS_ROUTER(
-        (triton.cdiv(T, ROUTER_BLOCK_T),), logits, bias.contiguous(), w, ids, T, cfg.routed_scaling_factor, logits.stride(0), E=E,
+        (triton.cdiv(T, ROUTER_BLOCK_T),), logits, bias.contiguous(), w, ids, T, cfg.routed_scaling_factor,
+        logits.stride(0), E=E,
         E_PAD=max(16, triton.next_power_of_2(E)), G=cfg.n_group, G_PAD=max(2, triton.next_power_of_2(cfg.n_group)),
         TOPK_GROUP=cfg.topk_group, TOPK=k, K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_T=ROUTER_BLOCK_T,
         RENORM=cfg.renormalize, TREE=tree)

@@ -618,8 +618,9 @@ def main(argv=None) -> int:
         with open(a.row_layouts, "w") as f:
             json.dump(rows, f, indent=1)
         for r in rows:
+            order = "same row order" if r["same"] else "DIFFERENT row order"
             print(f"{r['op']:<28} {r['dtype']:<9} block {r['block']:>4}  {r['rows']} rows, {r['num_warps']} warps: "
-                  f"{'same row order' if r['same'] else 'DIFFERENT row order'}{' (control)' if r.get('control') else ''}")
+                  f"{order}{' (control)' if r.get('control') else ''}")
         return 0 if all(r["same"] != bool(r.get("control")) for r in rows) else 1
     global TRIALS
     TRIALS = a.trials
