@@ -442,6 +442,25 @@ def test_the_raw_launch_passes_what_the_launcher_would(model, desc_model, lowere
     assert direct_expansions == (3 if lowered else 16)  # a0, a1 and w once each; or every call
 
 
+def test_descriptors_of_other_shapes_share_the_kernel(model, desc_model):
+    """Triton keys a host descriptor on its base's dtype and block shape alone (its shape and
+    strides are launch arguments), so a weight of another row count, one not a multiple of 16,
+    reuses the remembered kernel, and its own expansion reaches the C launch function."""
+    fn = _DescJIT([{"swizzle": 3}, {"swizzle": 2}])
+    dl = DL.DirectLaunch(fn)
+    a0, w = _descs(0)
+    _, w50 = _descs(0, n=50)
+    out = torch.zeros(8, 64)
+    dl((4,), a0, w, out, 8, BLOCK=16)
+    dl((4,), a0, w50, out, 8, BLOCK=16)
+    assert fn.through == 1 and len(dl._kernels) == 1
+    (kernel,) = fn.kernels.values()
+    mine = kernel.run.c.calls[-1]
+    kernel.run(4, 1, 1, "stream", kernel.function, kernel.packed_metadata, None, None, None, a0, w50, out, 8, 16)
+    assert _normal(mine) == _normal(kernel.run.c.calls[-1])
+    assert 50 in mine  # the second weight's row count, passed with its tensor map
+
+
 def _launched_twice(scratch=0):
     """A DirectLaunch over a descriptor kernel, called twice with one signature (the second call
     direct): ``(model, wrapper, its remembered entry, the call's parameters)``."""

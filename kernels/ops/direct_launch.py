@@ -16,8 +16,9 @@ included).  The signature is a superset of what Triton specialises on:
 * a tensor: its dtype and whether its address is a multiple of 16 bytes;
 * an int: whether it is 1, a multiple of 16, and which of int32 / int64 / uint64 holds it;
 * a float: its type only (Triton passes it as fp32 and never specialises on its value);
-* a host tensor descriptor: its base's dtype and alignment, its block shape, its padding and
-  the int classes of its shape and strides;
+* a host tensor descriptor: its base's dtype and alignment, its block shape and its padding
+  (Triton's own key for one is its base's dtype and its block shape: the shape and strides reach
+  the kernel as launch arguments, never as specialisations);
 * a bool: its value, tagged as a bool (so that ``False`` and an int of class 0 differ);
 * ``None``, every constexpr and launch option: its type and value (``True``, ``1`` and ``1.0``
   are different constexprs to Triton);
@@ -146,8 +147,7 @@ def _spec(a):
         return None
     if t is _HostDescriptor:
         return ("desc", a.base.dtype, (a.base.data_ptr() & 15) == 0, tuple(a.block_shape),
-                getattr(a, "padding", None), tuple([_int_class(int(s)) for s in a.shape]),
-                tuple([_int_class(int(s)) for s in a.strides]))
+                getattr(a, "padding", None))
     raise _Unsupported(t.__name__)
 
 
