@@ -281,6 +281,7 @@ def test_driver_writes_the_result_file(tmp_path):
     envs = [c[4] for c in calls[1:]]
     assert all("VLLM_ENABLE_V1_MULTIPROCESSING" not in e for e in envs)  # vLLM's own process layout
     assert ["KIT_PLUGIN_REPORT" in e for e in envs] == [False, False, True, True]
+    assert all(e["KIT_JIT_LOG"].endswith(".jsonl") for e in envs)  # every engine logs its Triton compiles
     doc = json.loads((tmp_path / "vllm_bench.json").read_text())
     assert {"provenance", "rows", "checks", "plan", "jobs", "comparisons"} <= set(doc)
     assert doc["provenance"]["git_commit"] and "command" in doc["provenance"]

@@ -62,7 +62,10 @@ and takes vLLM's measures (TTFT, TPOT = (latency - TTFT) / (tokens - 1), ITL, th
 ratio is reported only when the difference it reports is larger than the spread of either side;
 otherwise the comparison says ``unresolved`` and gives both medians and spreads.  Speed goals
 (kit modes against vLLM's invariant mode and against 0.9 and 0.95 of default) are goal checks:
-met, not met, or unresolved.
+met, not met, or unresolved.  Every run also records the Triton kernels its engine compiled
+while it ran (``jit``: :mod:`batch_invariance_kit.vllm.jit_log`, through ``KIT_JIT_LOG``), and the
+printed summary names the compiles that fell in timed runs: a timed run that compiles measures
+the compiler too.
 
 Robustness: a ``--budget-s`` (default 540 s, under a 10-minute call); a job that cannot start in
 what is left is skipped; a worker runs a scenario's repeats while they fit before its deadline
@@ -94,6 +97,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checks import positive_float, positive_int
+from . import jit_log
 from . import runner as R
 from .check import csv_arg
 from .records import KIT_MODES, MODES, UNDER_KIT_HELP, check_under_kit, label, variants
@@ -811,6 +815,16 @@ def _llm_kwargs(flags: list) -> dict:
     return kw
 
 
+def _timed(run: dict, t0: float, t1: float) -> None:
+    """Record a run's wall time ``run_s`` and, when the engine logs its Triton compiles
+    (``KIT_JIT_LOG``, :mod:`batch_invariance_kit.vllm.jit_log`), the compiles that ended inside
+    it (``jit``)."""
+    run["run_s"] = t1 - t0
+    path = os.environ.get(jit_log.ENV)
+    if path:
+        run["jit"] = jit_log.window(path, t0, t1)
+
+
 def run_worker(job: dict, part, *, build=None, clock=time.time) -> int:
     """Run ``job`` (:func:`worker_job`) in this process: build the engine, then per scenario the
     warm-ups and the timed repeats that fit before the job's deadline (the warm-up's time is the
@@ -853,7 +867,7 @@ def run_worker(job: dict, part, *, build=None, clock=time.time) -> int:
                     break
                 t1 = clock()
                 res["warmups"].append(engine.run(s, s.seed + 1 + w))
-                res["warmups"][-1]["run_s"] = clock() - t1
+                _timed(res["warmups"][-1], t1, clock())
                 save()
             if "skipped" in res:
                 continue
@@ -869,7 +883,7 @@ def run_worker(job: dict, part, *, build=None, clock=time.time) -> int:
                     break
                 t1 = clock()
                 res["repeats"].append(engine.run(s, s.seed))
-                res["repeats"][-1]["run_s"] = clock() - t1
+                _timed(res["repeats"][-1], t1, clock())
                 per_run = max(r["run_s"] for r in res["repeats"])  # a warm-up also compiles: slower
                 save()
         except Exception:
@@ -941,8 +955,16 @@ def table(rows: list, comps: list) -> str:
                     (r.get("skipped") or r.get("stopped") or ("error" if r.get("error") else "no repeats")))
             c = next((c for c in comps if c["model"] == model and c["scenario"] == scen and c["impl"] == r["impl"]
                       and c["against"] == "default" and c["measure"] == measure), None)
-            lines.append(f"  {r['impl']:<22} {head}" + (f"   vs default: {c['text']}" if c else ""))
+            lines.append(f"  {r['impl']:<22} {head}" + (f"   vs default: {c['text']}" if c else "")
+                         + _compiles_note(r))
     return "\n".join(lines)
+
+
+def _compiles_note(row: dict) -> str:
+    """``"; Triton compiles in timed runs: N (S s)"`` where the row's timed runs logged any."""
+    jits = [r["jit"] for r in row.get("repeats") or [] if r.get("jit")]
+    n = sum(j["compiles"] for j in jits)
+    return f"; Triton compiles in timed runs: {n} ({sum(j['seconds'] for j in jits):.1f} s)" if n else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1184,6 +1206,8 @@ def run_driver(a, *, launch=None, clock=time.time, save=None, gpu=None, online_j
                     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
                 if j["mode"] in KIT_MODES:  # every process of the engine reports the kit's replacements
                     env["KIT_PLUGIN_REPORT"] = str(out / "logs" / f"plugin-{name}")
+                # every process of the engine logs its Triton compiles; each run records its own
+                env[jit_log.ENV] = str(out / "logs" / f"jit-{name}.jsonl")
                 r = launch("worker", me + ["--worker", str(job_path), "--part", str(part)], env, left,
                            out / "logs" / f"{name}.log")
                 j.update(status="ran", **{k: r.get(k) for k in ("rc", "seconds", "timed_out")})

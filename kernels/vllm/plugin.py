@@ -2,7 +2,8 @@
 
 Installed with the kit (``pyproject.toml``: entry point ``batch_invariance_kit`` in the group
 ``vllm.general_plugins``), vLLM calls :func:`register` in every process it starts.  The plugin
-is inert unless ``KIT_BATCH_INVARIANT=1``.  Switched on, it replaces every batch-variant op of
+is inert unless ``KIT_BATCH_INVARIANT=1`` (``KIT_JIT_LOG`` alone only logs Triton's compiles:
+:mod:`batch_invariance_kit.vllm.jit_log`).  Switched on, it replaces every batch-variant op of
 the model before the model is built:
 
 CPU (vLLM's CPU build)
@@ -97,6 +98,7 @@ from pathlib import Path
 import torch
 
 from ..checks import dtype_name
+from . import jit_log
 
 ENV_SWITCH = "KIT_BATCH_INVARIANT"
 ENV_REPORT = "KIT_PLUGIN_REPORT"
@@ -548,7 +550,11 @@ def _register_cuda_moe() -> None:
 # ---------------------------------------------------------------------------------------------
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point (called by vLLM in each of its processes)."""
+    """The ``vllm.general_plugins`` entry point (called by vLLM in each of its processes).  With
+    ``KIT_JIT_LOG`` set it logs the process's Triton compiles in any mode
+    (:mod:`batch_invariance_kit.vllm.jit_log`)."""
+    if os.environ.get(jit_log.ENV):
+        jit_log.install(os.environ[jit_log.ENV])
     if not enabled() or _STATE["registered"]:
         return
     _STATE["registered"] = True

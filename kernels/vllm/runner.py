@@ -100,7 +100,7 @@ LOG_TAIL = 6000
 def mode_env(mode: str, base: dict | None = None, *, gpu: bool | None = None,
              vllm_invariant: bool | None = None) -> dict:
     """The environment of a mode's process: ``base`` (default ``os.environ``) without a
-    ``VLLM_BATCH_INVARIANT``, ``KIT_VLLM_INVARIANT`` or ``KIT_PLUGIN_REPORT`` of the caller's, plus
+    ``VLLM_BATCH_INVARIANT``, ``KIT_VLLM_INVARIANT``, ``KIT_PLUGIN_REPORT`` or ``KIT_JIT_LOG`` of the caller's, plus
     :data:`BASE_ENV` and the mode's :data:`MODE_ENV`; ``gpu`` (default: CUDA is present) puts
     vLLM's own mode under the kit's modes, and ``kit+attention`` on the CPU switches the kit's
     attention on.  ``vllm_invariant=False`` (a kit mode alone, :func:`~batch_invariance_kit.vllm.records.variants`)
@@ -111,7 +111,7 @@ def mode_env(mode: str, base: dict | None = None, *, gpu: bool | None = None,
 
         gpu = torch.cuda.is_available()
     env = dict(os.environ if base is None else base)
-    for k in ("VLLM_BATCH_INVARIANT", "KIT_VLLM_INVARIANT", "KIT_PLUGIN_REPORT"):
+    for k in ("VLLM_BATCH_INVARIANT", "KIT_VLLM_INVARIANT", "KIT_PLUGIN_REPORT", "KIT_JIT_LOG"):
         env.pop(k, None)
     env.update(BASE_ENV)
     env.update(MODE_ENV[name])
