@@ -98,6 +98,26 @@ def test_every_tile_gives_the_same_bits(dtype):
     assert not bad, f"tiles whose bits differ from the default: {bad}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_tile_orders_give_the_same_bits(dtype, monkeypatch):
+    """The grouped GEMM's program order (:data:`~batch_invariance_kit.ops.moe.TILE_ORDER`) decides
+    which program computes a tile, never how: both orders give the same bits, with several N tiles
+    a block (BLOCK_N 16 against widths of 32 and 64), and the launch grids differ."""
+    rw, w13, w2 = _weights(dtype, hot=True)
+    x = _maker("skewed", dtype)(130)
+    cfg = moe.MoEConfig("t16x16", 16, 16, moe.MM.block_k(dtype), 1, 4, 2)
+    outs, grids = {}, {}
+    for order in moe.TILE_ORDERS:
+        monkeypatch.setattr(moe, "TILE_ORDER", order)
+        outs[order] = moe.fused_moe(x, rw, w13, w2, TOPK, config=cfg)
+        grids[order] = moe._gemm_params(130 * TOPK, 9, 64, 64, dtype, "invariant", cfg, True, TOPK, order)[0]
+    assert bitwise_equal(outs["m_fast"], outs["n_fast"])
+    assert grids["m_fast"] == (9, 4, 1) and grids["n_fast"] == (36, 1, 1)
+    monkeypatch.setattr(moe, "TILE_ORDER", "k_fast")
+    with pytest.raises(ValueError, match="TILE_ORDER"):
+        moe.fused_moe(x, rw, w13, w2, TOPK, config=cfg)
+
+
 def test_tile_grid_of_the_tiles_part_gives_the_same_bits():
     """Every tile the ``moe_tiles`` part times (up to 128 x 256) gives the default's bits; the
     part's summary picks the fastest tile per cell and keeps vLLM's time beside it."""

@@ -532,7 +532,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expe
                          n_valid, N, K, s_am, s_ak, s_we, s_wn, s_wk, s_cm, s_cn,
                          A_DIV: tl.constexpr, FUSE_SILU: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_BLOCKS: tl.constexpr,
-                         SPLIT_K: tl.constexpr, UPCAST: tl.constexpr):
+                         SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, N_FAST: tl.constexpr):
     """Block ``pid_m`` of the dispatch times its expert's weight ``w[e]`` (N_w, K), read as
     (K, N).  FUSE_SILU: columns n and N + n of ``w[e]`` are gate and up; the output is
     ``silu(gate) * up``.  The K loop is the matmul's: each K block is ``k_order.ptr_step``
@@ -540,9 +540,16 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expe
     CHUNK_BLOCKS > 0 (a long K, :func:`batch_invariance_kit.ops.k_order.k_chunk_blocks`) in
     chunks of CHUNK_BLOCKS blocks, each summed from zero, added in chunk order, as matmul's
     ``_tile`` does.  SPLIT_K > 1 (variant only, CHUNK_BLOCKS 0): the K blocks of split
-    ``program_id(2)``, fp32 partials to ``ws``."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    ``program_id(2)``, fp32 partials to ``ws``.  N_FAST: a 1-D grid over (block, N tile) whose
+    N tiles of one block run next to each other (else block ``program_id(0)``, N tile
+    ``program_id(1)``): which program computes a tile, never how."""
+    if N_FAST:
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        pid_m = tl.program_id(0) // n_tiles
+        pid_n = tl.program_id(0) % n_tiles
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     split = tl.program_id(2)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= 0:
@@ -685,21 +692,33 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, disp: Dispatch, *, activation
 _FUSED_LONG_K_VALUES = 128
 
 
+#: The order of the grouped GEMM's programs: ``"m_fast"`` (the blocks of one N tile next to each
+#: other) or ``"n_fast"`` (the N tiles of one block next to each other, as vLLM's ``fused_moe``
+#: with ``GROUP_SIZE_M = 1``).  It decides which program computes a tile, never the K order:
+#: both give the same bits (``tests/test_moe.py``).
+TILE_ORDERS = ("m_fast", "n_fast")
+TILE_ORDER = "m_fast"
+
+
 @functools.lru_cache(maxsize=4096)
 def _gemm_params(num_valid: int, num_blocks: int, N: int, K: int, dtype: torch.dtype, impl: str, cfg: MoEConfig,
-                 fuse: bool, a_div: int) -> tuple:
+                 fuse: bool, a_div: int, order: str = "m_fast") -> tuple:
     """``(grid, split, constexprs, grid of the split-K pass)`` of a grouped-GEMM launch, cached
     per shape.  The invariant K order is the matmul's (chunks for a long K); the variant keeps
-    its table's split-K and K step."""
+    its table's split-K and K step.  ``order``: :data:`TILE_ORDER`'s values."""
+    if order not in TILE_ORDERS:
+        raise ValueError(f"TILE_ORDER must be one of {TILE_ORDERS}, got {order!r}")
     split = max(1, min(cfg.split_k, -(-K // cfg.block_k)))
     chunk_blocks = k_order.k_chunk_blocks(K, dtype) if impl == "invariant" else 0
     block_n = cfg.block_n
     if fuse and chunk_blocks:  # gate and up over a long K: four fp32 tiles (chunk sum and running sum of each)
         block_n = max(16, min(block_n, _FUSED_LONG_K_VALUES * cfg.num_warps * 32 // (4 * cfg.block_m)))
     kw = dict(A_DIV=a_div, FUSE_SILU=fuse, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-              CHUNK_BLOCKS=chunk_blocks, SPLIT_K=split, UPCAST=INTERPRET, num_warps=cfg.num_warps,
-              num_stages=cfg.num_stages)
-    return (num_blocks, -(-N // block_n), split), split, kw, (-(-num_valid // 32), -(-N // 64))
+              CHUNK_BLOCKS=chunk_blocks, SPLIT_K=split, UPCAST=INTERPRET, N_FAST=order == "n_fast",
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    n_tiles = -(-N // block_n)
+    grid = (num_blocks * n_tiles, 1, split) if order == "n_fast" else (num_blocks, n_tiles, split)
+    return grid, split, kw, (-(-num_valid // 32), -(-N // 64))
 
 
 def _grouped_gemm(a, w, disp, fuse, gather_tokens, impl, cfg, out) -> None:
@@ -707,7 +726,7 @@ def _grouped_gemm(a, w, disp, fuse, gather_tokens, impl, cfg, out) -> None:
     N = out.shape[1]
     K = w.shape[2]
     grid, split, kw, pass_grid = _gemm_params(disp.num_valid, disp.num_blocks, N, K, a.dtype, impl, cfg, fuse,
-                                              disp.top_k if gather_tokens else 1)
+                                              disp.top_k if gather_tokens else 1, TILE_ORDER)
     ws = out
     if split > 1:
         ws = torch.empty((split, disp.num_valid, 2 * N if fuse else N), dtype=torch.float32, device=a.device)
