@@ -3,6 +3,7 @@ write through Triton's JIT hooks (modelled by a stand-in of ``triton.knobs.runti
 Triton 3.6's ``JITFunction._call_hook`` calls them), the window a benchmark run reads back, and
 the benchmark worker recording each run's compiles (a stand-in engine that compiles in its
 warm-up and in one timed run)."""
+import inspect
 import json
 import types
 
@@ -23,12 +24,20 @@ def fresh(monkeypatch):
 def _triton_calls(knobs, name, key, *, compiled=True):
     """What Triton does on an in-memory cache miss of kernel ``name``: the cache hook, then (unless
     it returned a true value) the compile and the post-compile hook, with Triton's keywords."""
-    fn = types.SimpleNamespace(module="m", name=name, jit_function=object())
-    kw = dict(key=key, repr=f"{name}[...]", fn=fn, compile={}, is_manual_warmup=False, already_compiled=False)
-    skipped = knobs.jit_cache_hook(**kw) if knobs.jit_cache_hook else None
+    jf = _JIT.setdefault(name, object())
+
+    def kw():  # Triton builds a new JitFunctionInfo for every hook call
+        fn = types.SimpleNamespace(module="m", name=name, jit_function=jf)
+        return dict(key=key, repr=f"{name}[...]", fn=fn, compile={}, is_manual_warmup=False, already_compiled=False)
+
+    skipped = knobs.jit_cache_hook(**kw()) if knobs.jit_cache_hook else None
     if not skipped and compiled:
-        knobs.jit_post_compile_hook(**kw)
+        [object() for _ in range(100)]  # the compiler allocates: the first info object's address is reused
+        knobs.jit_post_compile_hook(**kw())
     return skipped
+
+
+_JIT: dict = {}
 
 
 def test_compiles_are_logged_and_read_back_per_window(tmp_path, fresh):
@@ -77,13 +86,29 @@ def test_install_refuses_a_path_that_is_not_one(fresh):
 
 
 def test_real_triton_knobs_take_the_hooks(tmp_path, fresh, monkeypatch):
-    """With Triton's own knobs (the default), the hooks are set and accept Triton's keywords."""
+    """With Triton's own knobs (the default), the hooks are set and accept Triton's keywords, and
+    a specialisation JSON cannot hold (which Triton serialises for the hooks) no longer fails the
+    compile; one it can hold is serialised as before."""
     from triton import knobs
+    from triton.runtime import jit
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(jit, "serialize_specialization_data", jit.serialize_specialization_data)
+    opts = types.SimpleNamespace(num_warps=4)
+    # Triton 3.6 takes six arguments, later releases also the target
+    extra = {"target": types.SimpleNamespace(arch=90)} if "target" in inspect.signature(
+        jit.serialize_specialization_data).parameters else {}
+
+    def serialise(value):
+        return jit.serialize_specialization_data("k", {}, {(0,): value}, {}, opts, "key", **extra)
+
+    with pytest.raises(TypeError):
+        serialise(object())
     assert J.install(tmp_path / "jit.jsonl")
     assert knobs.runtime.jit_cache_hook is not None and knobs.runtime.jit_post_compile_hook is not None
+    assert serialise(object()) is None
+    assert json.loads(serialise(3))["constant_vals"] == [3]
     _triton_calls(knobs.runtime, "_attn_split_kernel", "k")
     assert J.window(tmp_path / "jit.jsonl", 0.0, 1e12)["kernels"] == {"_attn_split_kernel": 1}
 
@@ -99,6 +124,13 @@ def test_plugin_logs_compiles_in_any_mode(tmp_path, fresh, monkeypatch):
     monkeypatch.delenv("KIT_JIT_LOG")
     plugin.register()
     assert len(calls) == 1
+
+    def no_triton(path, knobs=None):
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(J, "install", no_triton)
+    monkeypatch.setenv("KIT_JIT_LOG", str(tmp_path / "jit.jsonl"))
+    plugin.register()  # a process without Triton still starts
 
 
 def test_mode_env_drops_the_callers_log():

@@ -62,8 +62,8 @@ and takes vLLM's measures (TTFT, TPOT = (latency - TTFT) / (tokens - 1), ITL, th
 ratio is reported only when the difference it reports is larger than the spread of either side;
 otherwise the comparison says ``unresolved`` and gives both medians and spreads.  Speed goals
 (kit modes against vLLM's invariant mode and against 0.9 and 0.95 of default) are goal checks:
-met, not met, or unresolved.  Every run also records the Triton kernels its engine compiled
-while it ran (``jit``: :mod:`batch_invariance_kit.vllm.jit_log`, through ``KIT_JIT_LOG``), and the
+met, not met, or unresolved.  Every offline run also records the Triton kernels its engine
+compiled while it ran (``jit``: :mod:`batch_invariance_kit.vllm.jit_log`, through ``KIT_JIT_LOG``), and the
 printed summary names the compiles that fell in timed runs: a timed run that compiles measures
 the compiler too.
 

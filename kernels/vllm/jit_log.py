@@ -13,7 +13,8 @@ kit's plugin (:func:`batch_invariance_kit.vllm.plugin.register`, in any mode: th
 function to ``FILE``: the wall-clock time at its end, the process, the kernel's name and the
 seconds between Triton's ``jit_cache_hook`` (called before the compile) and its
 ``jit_post_compile_hook`` (after).  Hooks already set are kept and called first; what the cache
-hook of another returns is returned (a true value skips the compile).  :func:`window` counts the
+hook of another returns is returned (a true value skips the compile).  In Triton's asynchronous
+compile mode the seconds include the wait for the compile worker.  :func:`window` counts the
 lines of one time window: :mod:`batch_invariance_kit.vllm.bench` records them for every warm-up
 and timed run.  Kernels that do not go through ``JITFunction.run`` (Inductor's, which torch.compile
 builds before the runs) are not counted.
@@ -49,6 +50,7 @@ def install(path, knobs=None) -> bool:
         from triton import knobs as _knobs
 
         knobs = _knobs.runtime
+        _tolerate_unserialisable_constexprs()
     with _LOCK:
         if _STATE["path"] is not None:
             return False
@@ -56,15 +58,18 @@ def install(path, knobs=None) -> bool:
     started: dict = {}
     before, after = knobs.jit_cache_hook, knobs.jit_post_compile_hook
 
+    def ident(fn, key):  # Triton passes a new info object to each hook: key on the function it names
+        return id(getattr(fn, "jit_function", fn)), str(key)
+
     def cache_hook(*, key, fn, **kw):
         res = before(key=key, fn=fn, **kw) if before is not None else None
         if not res:
-            started[(id(fn), str(key))] = time.perf_counter()
+            started[ident(fn, key)] = time.perf_counter()
         return res
 
     def post_compile_hook(*, key, fn, **kw):
         res = after(key=key, fn=fn, **kw) if after is not None else None
-        t0 = started.pop((id(fn), str(key)), None)
+        t0 = started.pop(ident(fn, key), None)
         line = {"t": time.time(), "pid": os.getpid(), "kernel": _name(fn),
                 "s": None if t0 is None else time.perf_counter() - t0}
         with _LOCK, open(_STATE["path"], "a") as f:
@@ -73,6 +78,27 @@ def install(path, knobs=None) -> bool:
 
     knobs.jit_cache_hook, knobs.jit_post_compile_hook = cache_hook, post_compile_hook
     return True
+
+
+def _tolerate_unserialisable_constexprs() -> None:
+    """With a JIT hook set, Triton 3.6 serialises every compile's specialisation with
+    ``json.dumps`` before calling it (``triton.runtime.jit.serialize_specialization_data``), which
+    raises for a constexpr JSON cannot hold (a function, a ``tl.constexpr`` dtype).  A log must
+    not make a compile fail: such a specialisation reaches the hooks as ``None`` instead."""
+    from triton.runtime import jit
+
+    original = getattr(jit, "serialize_specialization_data", None)
+    if original is None or getattr(original, "_kit_tolerant", False):
+        return
+
+    def tolerant(*args, **kw):
+        try:
+            return original(*args, **kw)
+        except (TypeError, ValueError):
+            return None
+
+    tolerant._kit_tolerant = True
+    jit.serialize_specialization_data = tolerant
 
 
 def window(path, t0: float, t1: float) -> dict:

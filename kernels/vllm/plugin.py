@@ -554,7 +554,10 @@ def register() -> None:
     ``KIT_JIT_LOG`` set it logs the process's Triton compiles in any mode
     (:mod:`batch_invariance_kit.vllm.jit_log`)."""
     if os.environ.get(jit_log.ENV):
-        jit_log.install(os.environ[jit_log.ENV])
+        try:
+            jit_log.install(os.environ[jit_log.ENV])
+        except ImportError as e:  # no Triton in this process: nothing to log, the engine still starts
+            print(f"[batch_invariance_kit] {jit_log.ENV} ignored: {e}", file=sys.stderr)
     if not enabled() or _STATE["registered"]:
         return
     _STATE["registered"] = True

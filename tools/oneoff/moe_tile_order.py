@@ -25,12 +25,14 @@ for model, spec in MV.MODELS.items():
         out, cell = {}, {}
         for order in moe.TILE_ORDERS:
             moe.TILE_ORDER = order
-            out[order] = MV.kit_layer(x, w, spec)
-            t, graph = median_us_graph_or_plain(lambda a: MV.kit_layer(a, w, spec), rotate=[(x,)], reps=50)
+            try:
+                out[order] = MV.kit_layer(x, w, spec)
+                t, graph = median_us_graph_or_plain(lambda a: MV.kit_layer(a, w, spec), rotate=[(x,)], reps=50)
+            finally:
+                moe.TILE_ORDER = "m_fast"
             cell[order] = t["median_us"]
             rows.append({"op": "moe_tile_order", "model": model, "tokens": n, "order": order, **t,
                          "cuda_graph": graph})
-        moe.TILE_ORDER = "m_fast"
         same = bool(torch.equal(out["m_fast"].view(torch.int16), out["n_fast"].view(torch.int16)))
         checks.append({"name": f"{model} T={n}: both orders give the same bits", "passed": same})
         print(f"{model:<17} T={n:<5} m_fast {cell['m_fast']:8.1f} us  n_fast {cell['n_fast']:8.1f} us  "
