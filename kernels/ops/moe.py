@@ -702,7 +702,7 @@ TILE_ORDER = "m_fast"
 
 @functools.lru_cache(maxsize=4096)
 def _gemm_params(num_valid: int, num_blocks: int, N: int, K: int, dtype: torch.dtype, impl: str, cfg: MoEConfig,
-                 fuse: bool, a_div: int, order: str = "m_fast") -> tuple:
+                 fuse: bool, a_div: int, order: str) -> tuple:
     """``(grid, split, constexprs, grid of the split-K pass)`` of a grouped-GEMM launch, cached
     per shape.  The invariant K order is the matmul's (chunks for a long K); the variant keeps
     its table's split-K and K step.  ``order``: :data:`TILE_ORDER`'s values."""
