@@ -43,6 +43,18 @@ def test_defaults_and_variants():
     assert flags[flags.index("--attention-backend") + 1] == "CUSTOM" and "--load-format" in flags
     assert "--no-enable-prefix-caching" in flags and flags[flags.index("--seed") + 1] == "0"
     assert "--attention-backend" not in B.engine_flags("/m", mode="kit", max_len=256, gpu=False)
+    assert "--max-cudagraph-capture-size" not in flags and a.max_cudagraph_capture_size is None
+
+
+def test_cudagraph_capture_size_reaches_every_mode():
+    """``--max-cudagraph-capture-size`` is one engine setting for every mode, in the flags of
+    ``vllm bench throughput`` and in ``LLM(...)``'s compilation config."""
+    a = B.parse_args(["--out", "x", "--max-cudagraph-capture-size", "1024", "--modes", "default,kit+attention"])
+    for mode in a.modes:
+        job = B.worker_job(a, "dense", mode, None, [B.SCENARIOS["tm"]], None)
+        f = job["flags"]
+        assert f[f.index("--max-cudagraph-capture-size") + 1] == "1024"
+        assert B._llm_kwargs(f)["compilation_config"] == {"max_cudagraph_capture_size": 1024}
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -58,6 +70,8 @@ def test_defaults_and_variants():
     (["--vllm-mode-under-kit", "maybe"], "--vllm-mode-under-kit"),
     (["--vllm-mode-under-kit", "off", "--modes", "kit"], "--modes kit\\+attention"),
     (["--offline-runner", "docker"], "--offline-runner"),
+    (["--max-cudagraph-capture-size", "0"], "--max-cudagraph-capture-size"),
+    (["--max-cudagraph-capture-size", "1024", "--eager"], "--max-cudagraph-capture-size"),
     (["--weights", "zeros"], "--weights"),
     (["--moe-layers", "49"], "--moe-layers"),
     (["--gpu-memory-utilization", "0.99"], "--gpu-memory-utilization"),

@@ -245,6 +245,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=None, help="where the models are saved (default <tempdir>/kit-bench-models)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="every mode with enforce_eager=True (default: compiled)")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="every mode with vLLM's --max-cudagraph-capture-size N (default: vLLM's own, "
+                        "min(2 x max_num_seqs, 512))")
     p.add_argument("--result-name", default="vllm_bench", help=argparse.SUPPRESS)
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join result files into --out")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; run nothing")
@@ -290,6 +293,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ValueError(f"--moe-layers must be in 1..48 (Qwen3-30B-A3B has 48), got {a.moe_layers}")
     if not 0.05 <= a.gpu_memory_utilization <= 0.95:
         raise ValueError(f"--gpu-memory-utilization must be in [0.05, 0.95], got {a.gpu_memory_utilization!r}")
+    if a.max_cudagraph_capture_size is not None and (isinstance(a.max_cudagraph_capture_size, bool)
+                                                     or a.max_cudagraph_capture_size < 1):
+        raise ValueError(f"--max-cudagraph-capture-size must be a positive integer, got {a.max_cudagraph_capture_size!r}")
+    if a.max_cudagraph_capture_size is not None and a.eager:
+        raise ValueError("--max-cudagraph-capture-size needs CUDA graphs: not with --eager")
     if a.offline_runner == "cli" and "profile" in a.scenarios:
         raise ValueError("--scenarios profile runs in the in-process worker: not with --offline-runner cli")
     if a.model_dir is None:
@@ -492,10 +500,11 @@ def model_folder(a, name: str) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 def engine_flags(folder, *, mode: str, max_len: int, gpu: bool, gpu_memory_utilization: float = 0.85,
-                 weights: str = "kit", eager: bool = False) -> list:
+                 weights: str = "kit", eager: bool = False, max_capture: int | None = None) -> list:
     """The engine's flags, as ``vllm bench throughput`` and ``vllm serve`` take them: bf16, seed 0,
-    the prefix cache off, vLLM's default scheduler and CUDA graphs; the kit's attention backend in
-    ``kit+attention``; on a CPU a 512 MiB KV cache."""
+    the prefix cache off, vLLM's default scheduler and CUDA graphs (up to ``max_capture`` tokens
+    when given, the same for every mode); the kit's attention backend in ``kit+attention``; on a
+    CPU a 512 MiB KV cache."""
     f = ["--model", str(folder), "--tokenizer", str(folder), "--dtype", "bfloat16", "--max-model-len", str(max_len),
          "--seed", "0", "--no-enable-prefix-caching"]
     f += ["--gpu-memory-utilization", str(gpu_memory_utilization)] if gpu else ["--kv-cache-memory-bytes", str(2 ** 29)]
@@ -505,6 +514,8 @@ def engine_flags(folder, *, mode: str, max_len: int, gpu: bool, gpu_memory_utili
         f += ["--attention-backend", attention_backend(mode, gpu=gpu)]
     if eager:
         f.append("--enforce-eager")
+    if max_capture is not None:
+        f += ["--max-cudagraph-capture-size", str(max_capture)]
     return f
 
 
@@ -811,6 +822,9 @@ def _llm_kwargs(flags: list) -> dict:
         if key == "attention_backend":
             kw.pop(key)
             kw["attention_config"] = {"backend": val}
+        if key == "max_cudagraph_capture_size":
+            kw.pop(key)
+            kw["compilation_config"] = {"max_cudagraph_capture_size": int(val)}
         i += 2
     return kw
 
@@ -899,7 +913,8 @@ def worker_job(a, model: str, mode: str, vllm_invariant, scenarios: list, deadli
     return {"model": model, "mode": mode, "label": label(mode, vllm_invariant), "vllm_invariant": vllm_invariant,
             "attention_backend": attention_backend(mode, gpu=gpu) or "vLLM's choice",
             "flags": engine_flags(model_folder(a, model), mode=mode, max_len=max_model_len(scenarios), gpu=gpu,
-                                  gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager),
+                                  gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager,
+                         max_capture=a.max_cudagraph_capture_size),
             "scenarios": [dataclasses.asdict(s) for s in scenarios], "warmups": a.warmups, "repeats": a.repeats,
             "deadline": deadline}
 
@@ -1020,7 +1035,8 @@ def run_online_job(a, job: dict, scenarios: list, deadline: float, out: Path, *,
     doc.update(scenarios={}, status="starting",
                attention_backend=attention_backend(job["mode"], gpu=gpu) or "vLLM's choice")
     flags = engine_flags(folder, mode=job["mode"], max_len=max_model_len(scenarios), gpu=gpu,
-                         gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager)
+                         gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager,
+                         max_capture=a.max_cudagraph_capture_size)
     env = R.mode_env(job["mode"], gpu=gpu, vllm_invariant=job["vllm_invariant"])
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's own process layout, as `vllm serve` runs
     if job["mode"] in KIT_MODES:
@@ -1104,7 +1120,8 @@ def run_cli_job(a, job: dict, scenarios: list, deadline: float, out: Path, *, gp
     launch = launch or (lambda cmd, env, timeout, log: R.run_process(cmd, env, timeout, log))
     folder = model_folder(a, job["model"])
     flags = engine_flags(folder, mode=job["mode"], max_len=max_model_len(scenarios), gpu=gpu,
-                         gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager)
+                         gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager,
+                         max_capture=a.max_cudagraph_capture_size)
     env = R.mode_env(job["mode"], gpu=gpu, vllm_invariant=job["vllm_invariant"])
     doc = {k: job[k] for k in ("model", "mode", "label", "vllm_invariant")}
     doc.update(scenarios={}, status="done", runner="vllm bench throughput (one process per run)",
@@ -1158,6 +1175,7 @@ def run_driver(a, *, launch=None, clock=time.time, save=None, gpu=None, online_j
                       "scenarios": {n: dataclasses.asdict(s) for n, s in sc.items()}, "repeats": a.repeats,
                       "warmups": a.warmups, "weights": a.weights, "moe_layers": a.moe_layers,
                       "offline_runner": a.offline_runner, "budget_s": a.budget_s, "eager": a.eager,
+                      "max_cudagraph_capture_size": a.max_cudagraph_capture_size,
                       "gpu_memory_utilization": a.gpu_memory_utilization, **_deps_note()},
              "jobs": jobs}
     rows, job_checks = [], []
