@@ -324,6 +324,72 @@ def test_variant_combine_fails_on_the_same_expert_outputs(dtype):
             torch.testing.assert_close(got, ref[:n], rtol=0, atol=2e-6)
 
 
+def _shared_maker(dtype):
+    """:func:`_combine_maker`'s rows plus a shared experts' output (T, H) per token."""
+    base, cache = _combine_maker(dtype), {}
+
+    def make(bs, seed=0):
+        if seed not in cache:
+            cache[seed] = seeded_normal((max(COMBINE_SIZES), CH), 60 + seed, dtype=dtype, device=DEV)
+        return (*base(bs, seed), cache[seed][:bs])
+    return make
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_combine_adds_the_shared_output_inside_its_one_rounding(dtype):
+    """With a DeepSeek layer's shared experts' output the combine stays invariant (and its
+    variant is still caught in fp32), agrees with the float64 sum, gives zeros' bits equal to no
+    shared output at all, and rounds once: in bf16 some elements differ from rounding the routed
+    sum first and adding the shared output after (the two-rounding form)."""
+    make = _shared_maker(dtype)
+    check = dict(positions=lambda bs: {*range(0, bs, max(1, bs // 6)), bs - 1}, seeds=(0, 1))
+
+    def fn(impl):
+        return lambda y, w, s: moe.combine(y.reshape(-1, CH), w, shared=s, impl=impl)
+    report = check_invariance(fn("invariant"), make, COMBINE_SIZES, **check)
+    assert report.passed, report.summary()
+    if dtype == torch.float32:
+        report = check_invariance(fn("variant"), make, COMBINE_SIZES, **check)
+        assert not report.passed, "the combine variant should change a token's sum with the batch"
+    y, w, s = make(300)
+    y = y.reshape(-1, CH)
+    got = moe.combine(y, w, shared=s)
+    ref = moe.combine(y, w, shared=s, impl="reference")
+    tol = 2e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol)
+    assert bitwise_equal(moe.combine(y, w, shared=torch.zeros_like(s)), moe.combine(y, w))
+    if dtype == torch.bfloat16:
+        two_roundings = (moe.combine(y, w).float() + s.float()).to(dtype)
+        assert not bitwise_equal(got, two_roundings), "the shared output must be added before the one rounding"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_silu_mul_rows_alone_and_in_batches(dtype):
+    """The dense activation kernel: ``silu(gate) * up`` per element, the same bits for a row
+    alone and in every batch (one launch shape), within one rounding of float64; bad input
+    refused naming the argument."""
+    I = 300  # not a multiple of the kernel's column block: the masked edge is checked too
+    rows = seeded_normal((260, 2 * I), 70, dtype=dtype, device=DEV) * 3
+
+    def make(bs, seed=0):
+        return (rows[:bs],)
+    report = check_invariance(lambda gu: moe.silu_mul(gu), make, [1, 2, 7, 65, 260], positions="all")
+    assert report.passed, report.summary()
+    got = moe.silu_mul(rows).double()
+    g, u = rows[:, :I].double(), rows[:, I:].double()
+    want = g / (1 + torch.exp(-g)) * u
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    out = torch.empty((260, I), dtype=dtype, device=DEV)
+    assert moe.silu_mul(rows, out=out) is out and bitwise_equal(out, moe.silu_mul(rows))
+    with pytest.raises(ValueError, match="gu must have an even"):
+        moe.silu_mul(rows[:, 1:].contiguous())
+    with pytest.raises(ValueError, match="gu must be contiguous"):
+        moe.silu_mul(rows.t())
+    with pytest.raises((TypeError, ValueError), match="out"):
+        moe.silu_mul(rows, out=torch.empty((260, I + 1), dtype=dtype, device=DEV))
+
+
 def test_variant_fused_moe_fails():
     f = _moe(torch.float32, impl="variant", h=256, inter=64)
     report = check_invariance(f, _maker("uniform", torch.float32, h=256), [1, 130], stop_at_first=True)
@@ -527,6 +593,15 @@ def test_bad_inputs_name_the_argument():
         moe.combine(torch.zeros(6, H, device=DEV), torch.zeros(3, 2, device=DEV), impl="fast")
     with pytest.raises(ValueError, match="y must have"):
         moe.combine(torch.zeros(5, H, device=DEV), torch.zeros(3, 2, device=DEV), impl="variant")
+    y6, w3 = torch.zeros(6, H, device=DEV), torch.zeros(3, 2, device=DEV)
+    with pytest.raises(ValueError, match="shared must have shape"):
+        moe.combine(y6, w3, shared=torch.zeros(3, H + 1, device=DEV))
+    with pytest.raises(TypeError, match="shared"):
+        moe.combine(y6, w3, shared=torch.zeros(3, H, dtype=torch.float64, device=DEV))
+    with pytest.raises(ValueError, match="shared must be contiguous"):
+        moe.combine(y6, w3, shared=torch.zeros(H, 3, device=DEV).t())
+    with pytest.raises(ValueError, match="shared must have shape"):
+        moe.fused_moe(x, rw, w13, w2, k, shared=torch.zeros(x.shape[0] + 1, x.shape[1], dtype=x.dtype, device=DEV))
     with pytest.raises(ValueError, match="logits"):
         moe.route(torch.zeros(3, device=DEV), 1)
     with pytest.raises(ValueError, match="out"):

@@ -5,7 +5,8 @@ Both layers start from the same hidden states and weights and end with the layer
 
 * the kit (``kit-invariant``): :func:`batch_invariance_kit.ops.moe.fused_moe` (gating matmul,
   router, dispatch, grouped GEMMs, combine) and, for DeepSeek-V2-Lite, the shared experts
-  (:func:`batch_invariance_kit.ops.routing.shared_mlp`, added in fp32 by ``add_shared``);
+  (:func:`batch_invariance_kit.ops.routing.shared_mlp`, whose output the combine adds in fp32
+  inside its one rounding);
 * vLLM as a model runs it by default (``vllm-fused_moe``): the gate as ``F.linear`` (cuBLAS),
   ``fused_topk`` (softmax top-k), ``fused_experts`` (its Triton kernels with its own config
   choice: a tuned table where vLLM ships one for the device) and the shared experts as
@@ -70,10 +71,10 @@ def layer_weights(spec: dict, seed: int = 0, device="cuda", dtype: torch.dtype =
 
 def kit_layer(x: torch.Tensor, w: dict, spec: dict, impl: str = "invariant") -> torch.Tensor:
     """The kit's MoE layer of ``spec`` on ``x`` (T, H) with the weights ``w`` of :func:`layer_weights`."""
-    out = moe.fused_moe(x, w["router"], w["w13"], w["w2"], spec["top_k"], renormalize=spec["renormalize"], impl=impl)
-    if w["shared_gate_up"] is None:
-        return out
-    return routing.add_shared(out, routing.shared_mlp(x, w["shared_gate_up"], w["shared_down"], impl=impl))
+    shared = None if w["shared_gate_up"] is None else routing.shared_mlp(x, w["shared_gate_up"], w["shared_down"],
+                                                                          impl=impl)
+    return moe.fused_moe(x, w["router"], w["w13"], w["w2"], spec["top_k"], renormalize=spec["renormalize"],
+                         impl=impl, shared=shared)
 
 
 def _silu_and_mul():

@@ -15,7 +15,11 @@ The pipeline of one MoE layer (Qwen3-MoE / Mixtral / DeepSeek style), one public
 3. :func:`grouped_gemm`  each block multiplies its rows by its expert's weight: gate/up with
    SiLU-and-mul fused (``silu(x W_g^T) * (x W_u^T)``, one rounding), then down;
 4. :func:`combine`  a token's output = sum over its k experts of ``weight * y`` in rank order
-   ``k = 0..top_k-1`` in fp32, rounded once (:func:`combine_launch` gives its launch).
+   ``k = 0..top_k-1`` in fp32 (then a DeepSeek layer's shared experts' output, when given),
+   rounded once (:func:`combine_launch` gives its launch).
+
+:func:`silu_mul` is the grouped GEMM's activation as a kernel of its own, for a dense SwiGLU MLP
+(the shared experts of :func:`batch_invariance_kit.ops.routing.deepseek_moe`).
 
 :func:`fused_moe` runs all four, the gating matmul (``x @ router_weight.T``, by
 :func:`batch_invariance_kit.ops.matmul.linear`'s kernels) first: its arguments are checked
@@ -86,6 +90,7 @@ __all__ = [
     "dispatch",
     "grouped_gemm",
     "combine",
+    "silu_mul",
     "fused_moe",
     "reference_route",
 ]
@@ -748,10 +753,11 @@ def _grouped_gemm(a, w, disp, fuse, gather_tokens, impl, cfg, out) -> None:
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, T, H, s_ym, s_om, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_H: tl.constexpr, LANES: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, s_ptr, out_ptr, T, H, s_ym, s_sm, s_om, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_H: tl.constexpr, LANES: tl.constexpr, HAS_SHARED: tl.constexpr):
     """BLOCK_T tokens x BLOCK_H columns; each element is its own fp32 sum over the ranks: one
-    chain in rank order (LANES = 1, the invariant), or LANES strided chains then added (variant)."""
+    chain in rank order (LANES = 1, the invariant), or LANES strided chains then added (variant);
+    with HAS_SHARED the shared experts' output (``s_ptr``) added last, before the one rounding."""
     toks = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tmask = toks < T
@@ -771,14 +777,19 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, T, H, s_ym, s_om, TOPK: tl.constexpr,
                                    other=0.0))
                 part = part + wt[:, None] * y
             acc = acc + part
+    if HAS_SHARED:
+        acc = acc + to_f32(tl.load(s_ptr + toks[:, None] * s_sm + cols[None, :], mask=mask, other=0.0))
     tl.store(out_ptr + toks[:, None] * s_om + cols[None, :], from_f32(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine(y: torch.Tensor, topk_weights: torch.Tensor, *, impl: str = "invariant",
-            out: torch.Tensor | None = None) -> torch.Tensor:
+def combine(y: torch.Tensor, topk_weights: torch.Tensor, *, shared: torch.Tensor | None = None,
+            impl: str = "invariant", out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum_{r=0}^{k-1} topk_weights[t, r] * y[t * k + r]`` in fp32, rounded once to
     ``y``'s dtype.  ``y`` (T*k, H), ``topk_weights`` fp32 (T, k) -> (T, H).
 
+    ``shared``: optional, contiguous (T, H) of ``y``'s dtype, the shared experts'
+    output (DeepSeek): ``out[t] = round(sum_r w_r y_r + shared[t])``, the shared term added
+    last in fp32, inside the one rounding.
     ``impl``: "invariant" (one chain in rank order whatever ``T``), "variant" (the ranks spread
     over lanes chosen from ``T``, :func:`combine_launch`: the negative control) or "reference"
     (float64 sum, rounded once).  ``out``: optional, contiguous, of ``y``'s dtype."""
@@ -791,32 +802,89 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, *, impl: str = "invaria
     if y.shape[0] != T * k:
         raise ValueError(f"y must have {T * k} rows (tokens x top_k), got {y.shape[0]}")
     H = y.shape[1]
+    _check_shared(shared, T, H, y)
     if out is None:
         out = torch.empty((T, H), dtype=y.dtype, device=y.device)
     else:
         _check_out("out", out, (T, H), y.dtype, y)
     if impl == "reference":
         ref = (topk_weights.double().unsqueeze(-1) * y.double().view(T, k, H)).sum(1)
+        if shared is not None:
+            ref = ref + shared.double()
         return out.copy_(ref.to(y.dtype))
-    _combine(y, topk_weights, impl, out)
+    _combine(y, topk_weights, impl, out, shared)
     return out
 
 
+def _check_shared(shared, T: int, H: int, like: torch.Tensor) -> None:
+    """``shared``: None, or a contiguous (T, H) of ``like``'s dtype and device."""
+    if shared is None:
+        return
+    checks.tensor("shared", shared, dtypes=(like.dtype,), dim=2)
+    checks.same_device("shared", shared, "y", like)
+    if tuple(shared.shape) != (T, H):
+        raise ValueError(f"shared must have shape {(T, H)} (tokens, hidden), got {tuple(shared.shape)}")
+
+
 @functools.lru_cache(maxsize=4096)
-def _combine_params(T: int, k: int, H: int, impl: str) -> tuple:
+def _combine_params(T: int, k: int, H: int, impl: str, has_shared: bool) -> tuple:
     """``(grid, constexprs)`` of the combine kernel (:func:`combine_launch`), cached per shape."""
     lc = combine_launch(T, k, H, impl)
     bt, bh = lc["block_t"], lc["block_h"]
     return (-(-T // bt), -(-H // bh)), dict(TOPK=k, BLOCK_T=bt, BLOCK_H=bh, LANES=lc["lanes"],
-                                           num_warps=lc["num_warps"])
+                                           HAS_SHARED=has_shared, num_warps=lc["num_warps"])
 
 
-def _combine(y, topk_weights, impl, out) -> None:
-    """The combine kernel on checked arguments."""
+def _combine(y, topk_weights, impl, out, shared=None) -> None:
+    """The combine kernel on checked arguments (without ``shared``, ``y`` stands in for its
+    pointer: the kernel never reads it)."""
     T, k = topk_weights.shape
     H = y.shape[1]
-    grid, kw = _combine_params(T, k, H, impl)
-    _COMBINE(grid, y, topk_weights, out, T, H, y.stride(0), out.stride(0), **kw)
+    grid, kw = _combine_params(T, k, H, impl, shared is not None)
+    s = y if shared is None else shared
+    _COMBINE(grid, y, topk_weights, s, out, T, H, y.stride(0), s.stride(0), out.stride(0), **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# The shared experts' activation
+# --------------------------------------------------------------------------------------------
+
+#: rows and columns per program of :func:`silu_mul` (fixed: the same launch for every batch)
+SILU_MUL_BLOCK = (4, 512)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, T, I, s_gm, s_om, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+    """BLOCK_T rows x BLOCK_I columns of ``silu(gate) * up`` in fp32, rounded once."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (rows < T)[:, None] & (cols < I)[None, :]
+    g = to_f32(tl.load(gu_ptr + rows[:, None] * s_gm + cols[None, :], mask=mask, other=0.0))
+    u = to_f32(tl.load(gu_ptr + rows[:, None] * s_gm + (cols + I)[None, :], mask=mask, other=0.0))
+    tl.store(out_ptr + rows[:, None] * s_om + cols[None, :], from_f32(_silu_mul(g, u), out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def silu_mul(gu: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gu`` (T, 2I) (gate columns, then up) -> (T, I) in ``gu``'s dtype:
+    the grouped GEMM's fused activation (``gate / (1 + exp(-gate)) * up`` in fp32, rounded once)
+    as a kernel of its own, for a dense SwiGLU MLP (the DeepSeek layer's shared experts).  Each
+    element is computed on its own with one launch shape for every ``T``: the same bits in any
+    batch.  ``gu``: contiguous; ``out``: optional, contiguous, of ``gu``'s dtype."""
+    checks.tensor("gu", gu, dim=2)
+    _on_kernel_device("gu", gu, "invariant")
+    if gu.shape[1] % 2:
+        raise ValueError(f"gu must have an even number of columns (gate then up), got {gu.shape[1]}")
+    T, I = gu.shape[0], gu.shape[1] // 2
+    if out is None:
+        out = gu.new_empty((T, I))
+    else:
+        _check_out("out", out, (T, I), gu.dtype, gu)
+    if T and I:
+        bt, bi = SILU_MUL_BLOCK
+        _SILU_MUL((-(-T // bt), -(-I // bi)), gu, out, T, I, gu.stride(0), out.stride(0), BLOCK_T=bt, BLOCK_I=bi,
+                  num_warps=4)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -845,9 +913,10 @@ def _check_moe_inputs(x, router_weight, w_gate_up, w_down, top_k, scoring, renor
     _check_options(scoring, renormalize)
 
 
-def reference_moe(x, router_weight, w_gate_up, w_down, top_k, *, scoring="softmax", renormalize=True):
+def reference_moe(x, router_weight, w_gate_up, w_down, top_k, *, scoring="softmax", renormalize=True, shared=None):
     """float64 MoE from the gating logits (rounded to ``x``'s dtype, as the kernels' are) to
-    the output, rounded once to ``x``'s dtype."""
+    the output (plus ``shared``, the shared experts' output, when given), rounded once to
+    ``x``'s dtype."""
     logits = (x.double() @ router_weight.double().t()).to(x.dtype)
     w, ids = reference_route(logits, top_k, scoring=scoring, renormalize=renormalize)
     x64, w13, w2 = x.double(), w_gate_up.double(), w_down.double()
@@ -859,22 +928,29 @@ def reference_moe(x, router_weight, w_gate_up, w_down, top_k, *, scoring="softma
             h = x64[sel] @ w13[e].t()
             act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
             out[sel] += w[sel, r].double().unsqueeze(1) * (act @ w2[e].t())
+    if shared is not None:
+        out += shared.double()
     return out.to(x.dtype)
 
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               top_k: int, *, scoring: str = "softmax", renormalize: bool = True, impl: str = "invariant",
-              config: MoEConfig | None = None) -> torch.Tensor:
+              config: MoEConfig | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
     """One MoE layer: ``x`` (T, H); ``router_weight`` (E, H); ``w_gate_up`` (E, 2I, H) (gate rows,
     then up rows); ``w_down`` (E, H, I); all of one float dtype, contiguous -> (T, H).
 
     ``logits = x @ router_weight.T`` (the kit's matmul, same ``impl``), :func:`route`,
     :func:`dispatch`, :func:`grouped_gemm` (gate/up + SiLU-and-mul, then down), :func:`combine`,
     each with the same ``impl``.
-    ``config`` forces the grouped-GEMM launch (for the invariant kernel: any M/N tile, same bits)."""
+    ``config`` forces the grouped-GEMM launch (for the invariant kernel: any M/N tile, same bits).
+    ``shared``: optional (T, H) of ``x``'s dtype, the shared experts' output, added by the
+    combine inside its one rounding (:func:`combine`)."""
     _check_moe_inputs(x, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, impl)
+    _check_shared(shared, x.shape[0], x.shape[1], x)
     if impl == "reference":
-        return reference_moe(x, router_weight, w_gate_up, w_down, top_k, scoring=scoring, renormalize=renormalize)
+        out = reference_moe(x, router_weight, w_gate_up, w_down, top_k, scoring=scoring, renormalize=renormalize,
+                            shared=shared)
+        return out
     T, H = x.shape
     E = router_weight.shape[0]
     dt, dev = x.dtype, x.device
@@ -891,7 +967,7 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     y = x.new_empty((disp.num_valid, H))
     _grouped_gemm(h, w_down, disp, False, False, impl, cfg, y)
     out = torch.empty_like(x)
-    _combine(y, weights, impl, out)
+    _combine(y, weights, impl, out, shared)
     return out
 
 
@@ -905,6 +981,6 @@ def launch_info(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtyp
 
 
 #: the eager launches of this module's kernels (:mod:`.direct_launch`)
-_ROUTER, _DISPATCH, _GROUPED_GEMM, _SPLITK_SILU, _COMBINE = (
+_ROUTER, _DISPATCH, _GROUPED_GEMM, _SPLITK_SILU, _COMBINE, _SILU_MUL = (
     DirectLaunch(_router_kernel), DirectLaunch(_dispatch_kernel), DirectLaunch(_grouped_gemm_kernel),
-    DirectLaunch(_splitk_silu_kernel), DirectLaunch(_combine_kernel))
+    DirectLaunch(_splitk_silu_kernel), DirectLaunch(_combine_kernel), DirectLaunch(_silu_mul_kernel))

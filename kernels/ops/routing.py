@@ -22,9 +22,10 @@ in other bits once the batch grows (the negative control).
 
 :func:`deepseek_moe`: the layer.  Router logits with the kit's matmul
 (:func:`batch_invariance_kit.ops.matmul.linear`), :func:`route`, the kit's MoE dispatch,
-grouped GEMMs and rank-order combine (:mod:`batch_invariance_kit.ops.moe`), the shared experts
-as one SwiGLU MLP with the kit's matmul, and ``routed + shared`` added in that order in fp32,
-rounded once.
+grouped GEMMs and rank-order combine (:mod:`batch_invariance_kit.ops.moe`), and the shared
+experts as one SwiGLU MLP (:func:`shared_mlp`: the kit's matmul, the activation kernel
+:func:`batch_invariance_kit.ops.moe.silu_mul`) whose output the combine adds after the routed
+ranks, in fp32, inside its one rounding.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ import triton.language as tl  # noqa: E402
 from .direct_launch import DirectLaunch  # noqa: E402
 
 __all__ = ["IMPLS", "RoutingConfig", "route", "reference_route", "deepseek_moe", "reference_deepseek_moe",
-           "shared_mlp", "add_shared", "VARIANT_TREE_FROM"]
+           "shared_mlp", "VARIANT_TREE_FROM"]
 
 IMPLS = ("invariant", "variant", "reference")
 #: the variant sums the renormalisation as a pairwise tree from this many tokens on
@@ -238,7 +239,8 @@ def deepseek_moe(x, router_weight, bias, w_gate_up, w_down, shared_gate_up, shar
     """A DeepSeek MoE layer: ``x`` ``(T, H)``; ``router_weight`` ``(E, H)``; ``bias`` ``(E,)``
     fp32; routed experts ``w_gate_up`` ``(E, 2I, H)`` (gate rows, then up), ``w_down`` ``(E, H,
     I)``; the shared experts as one MLP ``shared_gate_up`` ``(2 I_s, H)``, ``shared_down`` ``(H,
-    I_s)`` -> ``(T, H)`` in x's dtype: ``routed + shared`` added in fp32 in that order."""
+    I_s)`` -> ``(T, H)`` in x's dtype: the routed experts' ranks summed in fp32 in rank order,
+    then the shared experts' output added, rounded once (:func:`batch_invariance_kit.ops.moe.combine`)."""
     _check_impl(impl)
     if not isinstance(cfg, RoutingConfig):
         raise TypeError(f"cfg must be a RoutingConfig, got {type(cfg).__name__}")
@@ -252,23 +254,15 @@ def deepseek_moe(x, router_weight, bias, w_gate_up, w_down, shared_gate_up, shar
     disp = MOE.dispatch(ids, cfg.num_experts, mcfg.block_m, validate=False)
     h = MOE.grouped_gemm(x, w_gate_up, disp, activation="silu_mul", gather_tokens=True, impl=impl, config=mcfg)
     y = MOE.grouped_gemm(h, w_down, disp, impl=impl, config=mcfg)
-    routed = MOE.combine(y, w, impl=impl)
-    return add_shared(routed, shared_mlp(x, shared_gate_up, shared_down, impl=impl))
+    return MOE.combine(y, w, shared=shared_mlp(x, shared_gate_up, shared_down, impl=impl), impl=impl)
 
 
 def shared_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, impl: str = "invariant") -> torch.Tensor:
     """The shared experts as one SwiGLU MLP with the kit's matmul: ``x`` ``(T, H)``, ``gate_up``
     ``(2 I_s, H)`` (gate rows, then up), ``down`` ``(H, I_s)`` -> ``(T, H)`` in x's dtype; the
-    activation ``silu(gate) * up`` in fp32, rounded once (elementwise: the same bits in any batch)."""
-    gu = MM.linear(x, gate_up, impl=impl)
-    i_s = gu.shape[1] // 2
-    act = (torch.nn.functional.silu(gu[:, :i_s].float()) * gu[:, i_s:].float()).to(x.dtype)
-    return MM.linear(act, down, impl=impl)
-
-
-def add_shared(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """``routed + shared`` in fp32, in that order, rounded once to the routed output's dtype."""
-    return (routed.float() + shared.float()).to(routed.dtype)
+    activation ``silu(gate) * up`` in fp32, rounded once, by one elementwise kernel
+    (:func:`batch_invariance_kit.ops.moe.silu_mul`: the same bits in any batch)."""
+    return MM.linear(MOE.silu_mul(MM.linear(x, gate_up, impl=impl)), down, impl=impl)
 
 
 def reference_deepseek_moe(x, router_weight, bias, w_gate_up, w_down, shared_gate_up, shared_down,

@@ -283,6 +283,11 @@ def _moe(rec, dev):
             h = torch.empty((T * k, inter), dtype=dt, device=dev)
             rec.call(f"moe down {cfg.name} {tag}", M.grouped_gemm, h, w2, disp, impl=impl)
             rec.call(f"moe combine {tag}", M.combine, torch.empty((T * k, H), dtype=dt, device=dev), wts, impl=impl)
+            rec.call(f"moe combine with shared experts {tag}", M.combine, torch.empty((T * k, H), dtype=dt, device=dev),
+                     wts, shared=x, impl=impl)
+        # DeepSeek-V2-Lite's shared experts' activation (two experts of 1408): one launch shape
+        rec.call(f"shared experts silu_mul tokens={T} inter=2816", M.silu_mul,
+                 torch.empty((T, 2 * 2816), dtype=dt, device=dev))
     # a long hidden size (DeepSeek-V3's 7168): the invariant gate/up GEMM sums K in matmul's
     # fixed chunks (CHUNK_BLOCKS > 0), at every row of the invariant table.  8 experts and a
     # narrow intermediate keep the (never touched) weights small: the compile sees dtypes,
