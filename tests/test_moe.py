@@ -363,6 +363,23 @@ def test_combine_adds_the_shared_output_inside_its_one_rounding(dtype):
         assert not bitwise_equal(got, two_roundings), "the shared output must be added before the one rounding"
 
 
+@pytest.mark.skipif(not batch_invariance_kit.INTERPRET, reason="the interpreter's fp32 arithmetic rounds every "
+                    "operation, as torch's does: a GPU compile may fuse w * y + acc into one FMA")
+def test_combine_order_routed_ranks_then_shared():
+    """The combine's order, bitwise: ``((w_0 y_0 + w_1 y_1) + ...) + shared`` in fp32, each
+    operation rounded; the shared term first gives other bits (so the check can fail)."""
+    y, w, s = _shared_maker(torch.float32)(300)
+    got = moe.combine(y.reshape(-1, CH), w, shared=s)
+    acc = torch.zeros_like(s)
+    for r in range(CK):
+        acc = acc + w[:, r:r + 1] * y[:, r]
+    assert bitwise_equal(got, acc + s)
+    first = s.clone()
+    for r in range(CK):
+        first = first + w[:, r:r + 1] * y[:, r]
+    assert not bitwise_equal(got, first), "adding the shared output first must give other bits"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
 def test_silu_mul_rows_alone_and_in_batches(dtype):
     """The dense activation kernel: ``silu(gate) * up`` per element, the same bits for a row
@@ -688,9 +705,10 @@ def test_vs_vllm_kit_layer_with_shared_experts_invariant_accurate_variant_caught
     make = _maker("uniform", V.DTYPE)
     assert check_invariance(lambda x: V.kit_layer(x, w, spec), make, [1, 7, 33, 130]).passed
     x = make(50)
-    routed = moe.fused_moe(x, w["router"], w["w13"], w["w2"], TOPK, renormalize=False, impl="reference").double()
     gu = x.double() @ w["shared_gate_up"].double().t()
-    ref = (routed + (F.silu(gu[:, :2 * INTER]) * gu[:, 2 * INTER:]) @ w["shared_down"].double().t()).cpu()
+    shared = (F.silu(gu[:, :2 * INTER]) * gu[:, 2 * INTER:]) @ w["shared_down"].double().t()
+    ref = moe.fused_moe(x, w["router"], w["w13"], w["w2"], TOPK, renormalize=False, impl="reference",
+                        shared=shared.to(x.dtype)).double().cpu()  # the routed sum and shared output, rounded once
     err = float((V.kit_layer(x, w, spec).double().cpu() - ref).abs().max() / ref.abs().max())
     assert err < TOL[torch.bfloat16], f"relative error {err}"
     wide = _deepseek_like(h=256)

@@ -46,7 +46,7 @@ def test_every_kernel_of_the_kit_is_reached(compiled):
     # the op modules' kernels, each found and compiled (a kernel no driver reaches fails above)
     for name in ("_rms_norm_kernel", "_mm_kernel", "_mm_tma_kernel", "chunk_reduce_kernel", "_attn_split_kernel",
                  "_attn_merge_kernel", "_write_kv_kernel", "_router_kernel", "_grouped_gemm_kernel",
-                 "_splitk_silu_kernel", "_combine_kernel", "_log_softmax_kernel", "_row_mean_kernel"):
+                 "_splitk_silu_kernel", "_combine_kernel", "_silu_mul_kernel", "_log_softmax_kernel", "_row_mean_kernel"):
         assert name in reached
 
 
@@ -68,6 +68,8 @@ def test_the_shipped_schedules_are_compiled(compiled):
     assert any(k == "_grouped_gemm_kernel" and c["CHUNK_BLOCKS"] > 0 and c["FUSE_SILU"] for k, c in cx)
     assert any(k == "_grouped_gemm_kernel" and c["SPLIT_K"] > 1 and not c["FUSE_SILU"] for k, c in cx)
     assert any(r["kernel"] == "chunk_reduce_kernel" and any("moe down" in x for x in r["labels"]) for r in res)
+    # the DeepSeek layer's shared experts: their output added inside the combine, their activation
+    assert any(k == "_combine_kernel" and c["HAS_SHARED"] for k, c in cx)
     assert any(k == "_rms_norm_kernel" and c["NUM_CHUNKS"] > 1 for k, c in cx)
     labels = " ".join(label for r in res for label in r["labels"])
     from batch_invariance_kit.ops import matmul as MM

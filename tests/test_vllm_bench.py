@@ -326,6 +326,29 @@ def test_driver_profile_jobs_run_the_engine_in_the_worker(tmp_path):
     assert [r["op"] for r in doc["rows"]] == ["vllm_bench", "vllm_bench", "vllm_profile", "vllm_profile"]
 
 
+def test_driver_rows_name_the_capture_limit_and_a_join_keeps_both_settings(tmp_path):
+    """A run with ``--max-cudagraph-capture-size`` records the limit in its plan and names it in
+    every row's scenario: its comparisons pair only rows of that setting, and joined with a run
+    of vLLM's own limit both sets of rows stay."""
+    runs = {}
+    for sub, extra_args in (("own", []), ("g", ["--max-cudagraph-capture-size", "1024"])):
+        a = B.parse_args(["--out", str(tmp_path / sub), "--models", "tiny", "--modes", "default,kit+attention",
+                          "--scenarios", "decode", "--budget-s", "100000", "--model-dir", str(tmp_path / "m"),
+                          *extra_args])
+        clock = Clock()
+        B.run_driver(a, launch=_fake_launch(clock, {"default": 1.0, "kit+attention": 1.0}, []), clock=clock, gpu=True)
+        runs[sub] = tmp_path / sub / "vllm_bench.json"
+    doc = json.loads(runs["g"].read_text())
+    assert doc["plan"]["max_cudagraph_capture_size"] == 1024
+    assert {r["scenario"] for r in doc["rows"]} == {"decode, graphs to 1024"}
+    assert all(r["max_cudagraph_capture_size"] == 1024 for r in doc["rows"])
+    assert {c["scenario"] for c in doc["comparisons"]} == {"decode, graphs to 1024"}
+    joined = json.loads(B.merge([runs["own"], runs["g"]], tmp_path / "j").read_text())
+    assert sorted(r["scenario"] for r in joined["rows"]) == ["decode"] * 2 + ["decode, graphs to 1024"] * 2
+    assert {(c["scenario"], tuple(c["runs"])) for c in joined["comparisons"]} == {("decode", (0, 0)),
+                                                                                ("decode, graphs to 1024", (1, 1))}
+
+
 def test_driver_skips_what_the_budget_cannot_start(tmp_path):
     a = B.parse_args(["--out", str(tmp_path), "--models", "tiny", "--modes", "default,invariant",
                       "--scenarios", "decode", "--budget-s", "100", "--model-dir", str(tmp_path / "m")])
@@ -386,6 +409,13 @@ def test_cli_job_with_a_stand_in_command(tmp_path):
     assert runs == [1, 0, 0, 0] and doc["status"] == "done"
     rows = B.part_rows(doc)
     assert [r["output_tokens_per_s"] for r in rows[0]["repeats"]] == [402.0, 403.0, 404.0]
+    a = B.parse_args(["--out", str(tmp_path), "--models", "tiny", "--modes", "default", "--scenarios", "decode",
+                      "--offline-runner", "cli", "--model-dir", str(tmp_path / "m"), "--max-cudagraph-capture-size",
+                      "1024"])
+    cmds = []
+    B.run_cli_job(a, job, B.scenarios_of(a), time.time() + 1e6, tmp_path, gpu=True,
+                  launch=lambda cmd, *x: cmds.append(cmd) or launch(cmd, *x))
+    assert all(c[c.index("--max-cudagraph-capture-size") + 1] == "1024" for c in cmds) and len(cmds) == 4
 
 
 def test_online_measures_and_serve_command():
@@ -439,6 +469,14 @@ def test_online_job_with_a_stand_in_server_and_client(tmp_path):
     row = B.part_rows(doc)[0]
     assert row["kind"] == "online" and row["impl"] == "kit+attention alone"
     assert row["measures"]["median_ttft_ms"] == B.stats([12.0, 13.0, 14.0])
+    assert "--max-cudagraph-capture-size" not in cmd
+    a = B.parse_args(["--out", str(tmp_path), "--models", "tiny", "--modes", "kit+attention", "--vllm-mode-under-kit",
+                      "off", "--scenarios", "online", "--model-dir", str(tmp_path / "m"),
+                      "--max-cudagraph-capture-size", "512"])
+    B.run_online_job(a, job, B.scenarios_of(a), time.time() + 1e6, tmp_path, gpu=True, launch_server=launch_server,
+                     run_client=client)
+    cmd = servers[-1].cmd
+    assert cmd[cmd.index("--max-cudagraph-capture-size") + 1] == "512"
 
 
 def test_online_job_falls_back_to_the_kits_client(tmp_path, monkeypatch):

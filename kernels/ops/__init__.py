@@ -5,7 +5,7 @@ from the batch, as production kernels do) and its *invariant* implementation.
 * :mod:`.k_order`: the one K order that matmul and MoE share (``block_k``, the K chunking, the
   pointer step, the chunk reduction pass, the strides record of a launch);
 * :mod:`.matmul`: GEMM without batch-chosen split-K;
-* :mod:`.moe`: router, dispatch, grouped GEMM, combine;
+* :mod:`.moe`: router, dispatch, grouped GEMM, combine, and the dense SwiGLU activation;
 * :mod:`.routing`: DeepSeek routing (sigmoid scores with a correction bias, group-limited top-k,
   renormalised and scaled) and the routed + shared-expert layer;
 * :mod:`.attention`: paged attention with split sizes fixed per position, a package by role

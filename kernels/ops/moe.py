@@ -802,7 +802,7 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, *, shared: torch.Tensor
     if y.shape[0] != T * k:
         raise ValueError(f"y must have {T * k} rows (tokens x top_k), got {y.shape[0]}")
     H = y.shape[1]
-    _check_shared(shared, T, H, y)
+    _check_shared(shared, T, H, y, "y")
     if out is None:
         out = torch.empty((T, H), dtype=y.dtype, device=y.device)
     else:
@@ -816,12 +816,13 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, *, shared: torch.Tensor
     return out
 
 
-def _check_shared(shared, T: int, H: int, like: torch.Tensor) -> None:
-    """``shared``: None, or a contiguous (T, H) of ``like``'s dtype and device."""
+def _check_shared(shared, T: int, H: int, like: torch.Tensor, like_name: str) -> None:
+    """``shared``: None, or a contiguous (T, H) of the dtype and device of ``like`` (the
+    argument ``like_name``)."""
     if shared is None:
         return
     checks.tensor("shared", shared, dtypes=(like.dtype,), dim=2)
-    checks.same_device("shared", shared, "y", like)
+    checks.same_device("shared", shared, like_name, like)
     if tuple(shared.shape) != (T, H):
         raise ValueError(f"shared must have shape {(T, H)} (tokens, hidden), got {tuple(shared.shape)}")
 
@@ -880,10 +881,9 @@ def silu_mul(gu: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tens
         out = gu.new_empty((T, I))
     else:
         _check_out("out", out, (T, I), gu.dtype, gu)
-    if T and I:
-        bt, bi = SILU_MUL_BLOCK
-        _SILU_MUL((-(-T // bt), -(-I // bi)), gu, out, T, I, gu.stride(0), out.stride(0), BLOCK_T=bt, BLOCK_I=bi,
-                  num_warps=4)
+    bt, bi = SILU_MUL_BLOCK
+    _SILU_MUL((-(-T // bt), -(-I // bi)), gu, out, T, I, gu.stride(0), out.stride(0), BLOCK_T=bt, BLOCK_I=bi,
+              num_warps=4)
     return out
 
 
@@ -946,7 +946,7 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     ``shared``: optional (T, H) of ``x``'s dtype, the shared experts' output, added by the
     combine inside its one rounding (:func:`combine`)."""
     _check_moe_inputs(x, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, impl)
-    _check_shared(shared, x.shape[0], x.shape[1], x)
+    _check_shared(shared, x.shape[0], x.shape[1], x, "x")
     if impl == "reference":
         out = reference_moe(x, router_weight, w_gate_up, w_down, top_k, scoring=scoring, renormalize=renormalize,
                             shared=shared)

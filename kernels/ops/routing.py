@@ -261,8 +261,16 @@ def shared_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, im
     """The shared experts as one SwiGLU MLP with the kit's matmul: ``x`` ``(T, H)``, ``gate_up``
     ``(2 I_s, H)`` (gate rows, then up), ``down`` ``(H, I_s)`` -> ``(T, H)`` in x's dtype; the
     activation ``silu(gate) * up`` in fp32, rounded once, by one elementwise kernel
-    (:func:`batch_invariance_kit.ops.moe.silu_mul`: the same bits in any batch)."""
-    return MM.linear(MOE.silu_mul(MM.linear(x, gate_up, impl=impl)), down, impl=impl)
+    (:func:`batch_invariance_kit.ops.moe.silu_mul`: the same bits in any batch); with
+    ``impl="reference"`` torch's matmul and the same formula in torch, on any device."""
+    gu = MM.linear(x, gate_up, impl=impl)
+    if impl == "reference":
+        i_s = gu.shape[1] // 2
+        g, u = gu[:, :i_s].float(), gu[:, i_s:].float()
+        act = (g / (1.0 + torch.exp(-g)) * u).to(x.dtype)
+    else:
+        act = MOE.silu_mul(gu)
+    return MM.linear(act, down, impl=impl)
 
 
 def reference_deepseek_moe(x, router_weight, bias, w_gate_up, w_down, shared_gate_up, shared_down,

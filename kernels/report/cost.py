@@ -171,7 +171,7 @@ def _e2e(doc, out):
 
 
 #: vLLM engine settings that make two throughput runs not like-for-like when they differ.
-_ENGINE_KEYS = ("enforce_eager", "compilation_mode", "cudagraph_mode")
+_ENGINE_KEYS = ("enforce_eager", "compilation_mode", "cudagraph_mode", "max_cudagraph_capture_size")
 
 
 def _vllm(doc, out):

@@ -246,8 +246,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="every mode with enforce_eager=True (default: compiled)")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
-                   help="every mode with vLLM's --max-cudagraph-capture-size N (default: vLLM's own, "
-                        "min(2 x max_num_seqs, 512))")
+                   help="every mode with vLLM's --max-cudagraph-capture-size N, as requested (vLLM may round "
+                        "it down to its capture-size grid; each engine record holds the size it used; "
+                        "default: vLLM's own limit)")
     p.add_argument("--result-name", default="vllm_bench", help=argparse.SUPPRESS)
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join result files into --out")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; run nothing")
@@ -293,8 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ValueError(f"--moe-layers must be in 1..48 (Qwen3-30B-A3B has 48), got {a.moe_layers}")
     if not 0.05 <= a.gpu_memory_utilization <= 0.95:
         raise ValueError(f"--gpu-memory-utilization must be in [0.05, 0.95], got {a.gpu_memory_utilization!r}")
-    if a.max_cudagraph_capture_size is not None and (isinstance(a.max_cudagraph_capture_size, bool)
-                                                     or a.max_cudagraph_capture_size < 1):
+    if a.max_cudagraph_capture_size is not None and a.max_cudagraph_capture_size < 1:
         raise ValueError(f"--max-cudagraph-capture-size must be a positive integer, got {a.max_cudagraph_capture_size!r}")
     if a.max_cudagraph_capture_size is not None and a.eager:
         raise ValueError("--max-cudagraph-capture-size needs CUDA graphs: not with --eager")
@@ -914,7 +914,7 @@ def worker_job(a, model: str, mode: str, vllm_invariant, scenarios: list, deadli
             "attention_backend": attention_backend(mode, gpu=gpu) or "vLLM's choice",
             "flags": engine_flags(model_folder(a, model), mode=mode, max_len=max_model_len(scenarios), gpu=gpu,
                                   gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager,
-                         max_capture=a.max_cudagraph_capture_size),
+                                  max_capture=a.max_cudagraph_capture_size),
             "scenarios": [dataclasses.asdict(s) for s in scenarios], "warmups": a.warmups, "repeats": a.repeats,
             "deadline": deadline}
 
@@ -942,6 +942,17 @@ def rows_of(model: str, mode: str, vllm_invariant, res: dict, *, kind: str, runn
         row["measures"] = {m: stats([r[m] for r in row["repeats"]]) for m, _ in MEASURES[kind]
                            if all(r.get(m) is not None and math.isfinite(r[m]) for r in row["repeats"])}
     return [row]
+
+
+def with_setting(rows: list, max_capture) -> list:
+    """``rows`` of a run with ``--max-cudagraph-capture-size`` (``max_capture``, None: vLLM's own
+    limit) name the limit in their scenario (``"tm, graphs to 1024"``) and in
+    ``max_cudagraph_capture_size``: rows of another engine setting are never compared with them,
+    nor replaced by them in a join."""
+    if max_capture is None:
+        return rows
+    return [dict(r, scenario=f"{r['scenario']}, graphs to {max_capture}", max_cudagraph_capture_size=max_capture)
+            for r in rows]
 
 
 def part_rows(doc: dict) -> list:
@@ -1246,7 +1257,7 @@ def run_driver(a, *, launch=None, clock=time.time, save=None, gpu=None, online_j
             for k in ("runner", "init_s", "server_ready_s", "mode_env", "engine_env", "errors", "error"):
                 if doc.get(k):
                     j[k] = doc[k]
-            rows.extend(part_rows(doc) if doc.get("scenarios") else [])
+            rows.extend(with_setting(part_rows(doc), a.max_cudagraph_capture_size) if doc.get("scenarios") else [])
             ok = doc.get("status") == "done"
             job_checks.append({"name": f"{j['model']} {j['label']} {j['kind']}: ran every scenario", "passed": ok,
                                **({} if ok else {"reason": doc.get("status")})})

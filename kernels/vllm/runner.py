@@ -391,7 +391,7 @@ class Engine:
                            "cudagraph_mode": str(cc.cudagraph_mode), "custom_ops": list(cc.custom_ops),
                            "enforce_eager": bool(vc.model_config.enforce_eager),
                            "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
-                           "max_cudagraph_capture_size": cc.max_cudagraph_capture_size,
+                           "max_cudagraph_capture_size": getattr(cc, "max_cudagraph_capture_size", None),
                            "chunked_prefill": bool(sc.enable_chunked_prefill),
                            "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
                            "logprobs_mode": vc.model_config.logprobs_mode})
