@@ -702,7 +702,7 @@ _FUSED_LONG_K_VALUES = 128
 #: with ``GROUP_SIZE_M = 1``).  It decides which program computes a tile, never the K order:
 #: both give the same bits (``tests/test_moe.py``).
 TILE_ORDERS = ("m_fast", "n_fast")
-TILE_ORDER = "m_fast"
+TILE_ORDER = "n_fast"
 
 
 @functools.lru_cache(maxsize=4096)
