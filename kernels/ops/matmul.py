@@ -60,7 +60,10 @@ Loads: configs with ``tma=True`` read 2-D operands with Hopper TMA (host-side
 ``triton.tools.tensor_descriptor.TensorDescriptor``; Triton >= 3.4; B either as (K, N) rows or
 as a linear weight's (N, K) rows), optionally with a warp-specialised K loop; everything else
 (bmm, unaligned rows, split-K) uses plain pointer loads.  The loads differ, the arithmetic does
-not: every config gives the same bits (tests on CPU, the H200 sweep on the GPU).
+not: every config gives the same bits (tests on CPU, the H200 sweep on the GPU).  ``M`` (and the
+tile count from it) reaches the kernels unspecialised (``do_not_specialize``): Triton compiles one
+kernel per config for every M, so an engine never compiles when it first meets a batch size after
+warm-up.
 """
 from __future__ import annotations
 
@@ -477,7 +480,7 @@ def _tile(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, tile, split, blocks_per_split, 
         tl.store(ws_ptr + ws_offs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "total_tiles"])
 def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, blocks_per_split, M, N, K, n_batch, total_tiles,
                s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_biasm, s_biasn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -513,7 +516,7 @@ def _tma_step(a_desc, b_desc, acc, kb, off_m, off_n, BLOCK_K: tl.constexpr, BLOC
     return dot_acc(a, b, acc, UPCAST)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "total_tiles"])
 def _mm_tma_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, total_tiles, s_cm, s_cn, s_biasm, s_biasn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    CHUNK_BLOCKS: tl.constexpr, B_KN: tl.constexpr, PERSISTENT: tl.constexpr,

@@ -56,6 +56,11 @@ weights fp32; GEMMs accumulate in fp32 (fp32 inputs with ``input_precision="ieee
 SiLU-and-mul activation and the down projection are rounded to ``x``'s dtype (as in vLLM's
 intermediate caches); the combine is fp32, rounded once.
 
+Token counts (the router's and combine's ``T``, the dispatch's ``n``, ``num_blocks`` and
+``n_tiles``, the grouped GEMM's ``n_valid``) reach the kernels unspecialised
+(``do_not_specialize``): Triton compiles one kernel per launch config whatever the batch size,
+so an engine never compiles when it first meets a batch size after warm-up.
+
 Under the Triton interpreter 16-bit tiles are widened to fp32 before ``tl.dot`` (exact), as in
 :mod:`batch_invariance_kit.ops.matmul`.  Only plain pointer loads, ``tl.dot(a, b, acc)``, ``tl.reshape`` and
 ``tl.static_range`` are used (Triton 3.0 features).
@@ -214,7 +219,7 @@ def _check_impl(impl):
 # 1. Router
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _router_kernel(logits_ptr, w_ptr, ids_ptr, T, E, s_lt,
                    TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                    LANES: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr):
@@ -421,7 +426,7 @@ def _write_blocks(sorted_ptr, block_expert_ptr, counts, start, end, b0, n, E, nu
              mask=(b < num_blocks)[:, None] & (slots >= rows_end[:, None]))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_blocks", "n_tiles"])
 def _dispatch_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, counts_ptr, padded_ptr,
                      n, E, num_blocks, n_tiles,
                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
@@ -532,7 +537,7 @@ def _silu_mul(gate, up):
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_valid"])
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expert_ptr,
                          n_valid, N, K, s_am, s_ak, s_we, s_wn, s_wk, s_cm, s_cn,
                          A_DIV: tl.constexpr, FUSE_SILU: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -609,7 +614,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ws_ptr, sorted_ids_ptr, block_expe
                 tl.store(ws_ptr + base + N, acc_u, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_valid"])
 def _splitk_silu_kernel(ws_ptr, c_ptr, n_valid, N, s_cm, s_cn, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr):
     """The variant's second pass for the fused gate/up GEMM: the gate's and the up's partial
@@ -700,7 +705,9 @@ _FUSED_LONG_K_VALUES = 128
 #: The order of the grouped GEMM's programs: ``"m_fast"`` (the blocks of one N tile next to each
 #: other) or ``"n_fast"`` (the N tiles of one block next to each other, as vLLM's ``fused_moe``
 #: with ``GROUP_SIZE_M = 1``).  It decides which program computes a tile, never the K order:
-#: both give the same bits (``tests/test_moe.py``).
+#: both give the same bits (``tests/test_moe.py``).  The kit ships ``n_fast``: on an H100 the layer
+#: took the same time either way up to 256 tokens, and from 1,024 ``m_fast`` took 1.05-1.23x ``n_fast``'s time
+#: (``results/h100/explorations/moe_tile_order``).
 TILE_ORDERS = ("m_fast", "n_fast")
 TILE_ORDER = "n_fast"
 
@@ -752,7 +759,7 @@ def _grouped_gemm(a, w, disp, fuse, gather_tokens, impl, cfg, out) -> None:
 # 4. Combine
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _combine_kernel(y_ptr, w_ptr, s_ptr, out_ptr, T, H, s_ym, s_sm, s_om, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_H: tl.constexpr, LANES: tl.constexpr, HAS_SHARED: tl.constexpr):
     """BLOCK_T tokens x BLOCK_H columns; each element is its own fp32 sum over the ranks: one
@@ -854,7 +861,7 @@ def _combine(y, topk_weights, impl, out, shared=None) -> None:
 SILU_MUL_BLOCK = (4, 512)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _silu_mul_kernel(gu_ptr, out_ptr, T, I, s_gm, s_om, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
     """BLOCK_T rows x BLOCK_I columns of ``silu(gate) * up`` in fp32, rounded once."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)

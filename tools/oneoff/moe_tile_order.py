@@ -18,6 +18,7 @@ from batch_invariance_kit.ops import moe
 from batch_invariance_kit.report import results as RS
 
 rows, checks = [], []
+shipped = moe.TILE_ORDER
 for model, spec in MV.MODELS.items():
     w = MV.layer_weights(spec)
     for n in (1, 16, 64, 256, 1024, 2048, 4096, 8192):
@@ -29,7 +30,7 @@ for model, spec in MV.MODELS.items():
                 out[order] = MV.kit_layer(x, w, spec)
                 t, graph = median_us_graph_or_plain(lambda a: MV.kit_layer(a, w, spec), rotate=[(x,)], reps=50)
             finally:
-                moe.TILE_ORDER = "m_fast"
+                moe.TILE_ORDER = shipped
             cell[order] = t["median_us"]
             rows.append({"op": "moe_tile_order", "model": model, "tokens": n, "order": order, **t,
                          "cuda_graph": graph})
