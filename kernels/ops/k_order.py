@@ -131,7 +131,7 @@ def sum_splits(ws, split_stride, mask, SPLIT_K: tl.constexpr, BLOCK_M: tl.conste
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def chunk_reduce_kernel(ws_ptr, c_ptr, bias_ptr, M, N, n_batch,
                         s_cb, s_cm, s_cn, s_biasm, s_biasn,
                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -61,9 +61,9 @@ Loads: configs with ``tma=True`` read 2-D operands with Hopper TMA (host-side
 as a linear weight's (N, K) rows), optionally with a warp-specialised K loop; everything else
 (bmm, unaligned rows, split-K) uses plain pointer loads.  The loads differ, the arithmetic does
 not: every config gives the same bits (tests on CPU, the H200 sweep on the GPU).  ``M`` (and the
-tile count from it) reaches the kernels unspecialised (``do_not_specialize``): Triton compiles one
-kernel per config for every M, so an engine never compiles when it first meets a batch size after
-warm-up.
+tile count from it) reaches the kernels unspecialised (``do_not_specialize``; the chunk reduction
+pass's ``M`` too): Triton compiles once per launch config, not once per integer class of M (1, a
+multiple of 16, other).
 """
 from __future__ import annotations
 

@@ -58,8 +58,8 @@ intermediate caches); the combine is fp32, rounded once.
 
 Token counts (the router's and combine's ``T``, the dispatch's ``n``, ``num_blocks`` and
 ``n_tiles``, the grouped GEMM's ``n_valid``) reach the kernels unspecialised
-(``do_not_specialize``): Triton compiles one kernel per launch config whatever the batch size,
-so an engine never compiles when it first meets a batch size after warm-up.
+(``do_not_specialize``): Triton compiles once per launch config, not once per integer class of a
+token count (1, a multiple of 16, other).
 
 Under the Triton interpreter 16-bit tiles are widened to fp32 before ``tl.dot`` (exact), as in
 :mod:`batch_invariance_kit.ops.matmul`.  Only plain pointer loads, ``tl.dot(a, b, acc)``, ``tl.reshape`` and
@@ -129,7 +129,8 @@ class MoEConfig:
 #: BLOCK_K is :func:`batch_invariance_kit.ops.k_order.block_k` of the dtype for every row of the table.
 #: The rows come from the ``moe_tiles`` part (``results/h100/moe_tiles.json``: every tile of
 #: :data:`batch_invariance_kit.bench.moe.TILE_GRID` timed at Qwen3-30B-A3B and DeepSeek-V2-Lite
-#: shapes, 1 ... 8192 tokens, and checked bitwise against the table's pick): at every token count
+#: shapes, 1 ... 8192 tokens, and checked bitwise against the table's pick; that sweep ran the
+#: ``m_fast`` program order, :data:`TILE_ORDER` before it became ``n_fast``): at every token count
 #: of both models the row's tile is within 3 % of the fastest tile
 #: (:func:`batch_invariance_kit.bench.moe.table_against_sweep` of the stored rows, asserted by
 #: ``tests/test_moe.py``).  A fused gate/up launch over a long K narrows ``BLOCK_N``
@@ -706,7 +707,7 @@ _FUSED_LONG_K_VALUES = 128
 #: other) or ``"n_fast"`` (the N tiles of one block next to each other, as vLLM's ``fused_moe``
 #: with ``GROUP_SIZE_M = 1``).  It decides which program computes a tile, never the K order:
 #: both give the same bits (``tests/test_moe.py``).  The kit ships ``n_fast``: on an H100 the layer
-#: took the same time either way up to 256 tokens, and from 1,024 ``m_fast`` took 1.05-1.23x ``n_fast``'s time
+#: took within 1.5 % of the same time either way up to 256 tokens, and from 1,024 ``m_fast`` took 1.05-1.23x ``n_fast``'s time
 #: (``results/h100/explorations/moe_tile_order``).
 TILE_ORDERS = ("m_fast", "n_fast")
 TILE_ORDER = "n_fast"

@@ -118,7 +118,7 @@ def reference_route(logits: torch.Tensor, bias: torch.Tensor, cfg: RoutingConfig
     return (w * cfg.routed_scaling_factor).float(), ids.to(torch.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _ds_router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, scaling, s_lt,
                       E: tl.constexpr, E_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,

@@ -216,7 +216,7 @@ def _matmul(rec, dev):
                     rec.call(f"linear+bias invariant {cfg.name} {tag}", MM.linear, a, w, bias, config=cfg)
                 else:
                     rec.call(f"mm invariant {cfg.name} {tag}", MM.mm, a, b, config=cfg)
-            for M in (1, 16, 64, 256, 4096):  # the model's own picks (config=None), 1-row and 16-row specialisations
+            for M in (1, 16, 64, 256, 4096):  # the model's own picks (config=None)
                 a = torch.empty((M, K), dtype=dt, device=dev)
                 tag = f"{_dname(dt)} M={M} N=8192 K={K}"
                 cfg = MM.select_config(M, 8192, K, dt).name
