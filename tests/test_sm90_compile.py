@@ -46,7 +46,8 @@ def test_every_kernel_of_the_kit_is_reached(compiled):
     # the op modules' kernels, each found and compiled (a kernel no driver reaches fails above)
     for name in ("_rms_norm_kernel", "_mm_kernel", "_mm_tma_kernel", "chunk_reduce_kernel", "_attn_split_kernel",
                  "_attn_merge_kernel", "_write_kv_kernel", "_router_kernel", "_grouped_gemm_kernel",
-                 "_splitk_silu_kernel", "_combine_kernel", "_silu_mul_kernel", "_log_softmax_kernel", "_row_mean_kernel"):
+                 "_splitk_silu_kernel", "_combine_kernel", "_silu_mul_kernel", "_log_softmax_kernel",
+                 "_row_mean_kernel"):
         assert name in reached
 
 

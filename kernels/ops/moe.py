@@ -57,7 +57,8 @@ SiLU-and-mul activation and the down projection are rounded to ``x``'s dtype (as
 intermediate caches); the combine is fp32, rounded once.
 
 Token counts (the router's and combine's ``T``, the dispatch's ``n``, ``num_blocks`` and
-``n_tiles``, the grouped GEMM's ``n_valid``) reach the kernels unspecialised
+``n_tiles``, the grouped GEMM's and its split-K pass's ``n_valid``, :func:`silu_mul`'s ``T``)
+reach the kernels unspecialised
 (``do_not_specialize``): Triton compiles once per launch config, not once per integer class of a
 token count (1, a multiple of 16, other).
 
@@ -707,8 +708,8 @@ _FUSED_LONG_K_VALUES = 128
 #: other) or ``"n_fast"`` (the N tiles of one block next to each other, as vLLM's ``fused_moe``
 #: with ``GROUP_SIZE_M = 1``).  It decides which program computes a tile, never the K order:
 #: both give the same bits (``tests/test_moe.py``).  The kit ships ``n_fast``: on an H100 the layer
-#: took within 1.5 % of the same time either way up to 256 tokens, and from 1,024 ``m_fast`` took 1.05-1.23x ``n_fast``'s time
-#: (``results/h100/explorations/moe_tile_order``).
+#: took within 1.5 % of the same time either way up to 256 tokens, and from 1,024 ``m_fast`` took
+#: 1.05-1.23x ``n_fast``'s time (``results/h100/explorations/moe_tile_order``).
 TILE_ORDERS = ("m_fast", "n_fast")
 TILE_ORDER = "n_fast"
 
@@ -956,9 +957,8 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     _check_moe_inputs(x, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, impl)
     _check_shared(shared, x.shape[0], x.shape[1], x, "x")
     if impl == "reference":
-        out = reference_moe(x, router_weight, w_gate_up, w_down, top_k, scoring=scoring, renormalize=renormalize,
-                            shared=shared)
-        return out
+        return reference_moe(x, router_weight, w_gate_up, w_down, top_k, scoring=scoring, renormalize=renormalize,
+                             shared=shared)
     T, H = x.shape
     E = router_weight.shape[0]
     dt, dev = x.dtype, x.device

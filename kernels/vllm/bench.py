@@ -295,7 +295,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0.05 <= a.gpu_memory_utilization <= 0.95:
         raise ValueError(f"--gpu-memory-utilization must be in [0.05, 0.95], got {a.gpu_memory_utilization!r}")
     if a.max_cudagraph_capture_size is not None and a.max_cudagraph_capture_size < 1:
-        raise ValueError(f"--max-cudagraph-capture-size must be a positive integer, got {a.max_cudagraph_capture_size!r}")
+        raise ValueError(f"--max-cudagraph-capture-size must be a positive integer, "
+                         f"got {a.max_cudagraph_capture_size!r}")
     if a.max_cudagraph_capture_size is not None and a.eager:
         raise ValueError("--max-cudagraph-capture-size needs CUDA graphs: not with --eager")
     if a.offline_runner == "cli" and "profile" in a.scenarios:
@@ -517,6 +518,14 @@ def engine_flags(folder, *, mode: str, max_len: int, gpu: bool, gpu_memory_utili
     if max_capture is not None:
         f += ["--max-cudagraph-capture-size", str(max_capture)]
     return f
+
+
+def job_flags(a, model: str, mode: str, scenarios: list, gpu: bool) -> list:
+    """:func:`engine_flags` of one job of the run ``a``: its model's folder, its scenarios' longest
+    request, the run's engine settings."""
+    return engine_flags(model_folder(a, model), mode=mode, max_len=max_model_len(scenarios), gpu=gpu,
+                        gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager,
+                        max_capture=a.max_cudagraph_capture_size)
 
 
 def dataset_flags(s: Scenario, seed: int) -> list:
@@ -912,9 +921,7 @@ def worker_job(a, model: str, mode: str, vllm_invariant, scenarios: list, deadli
                gpu: bool = True) -> dict:
     return {"model": model, "mode": mode, "label": label(mode, vllm_invariant), "vllm_invariant": vllm_invariant,
             "attention_backend": attention_backend(mode, gpu=gpu) or "vLLM's choice",
-            "flags": engine_flags(model_folder(a, model), mode=mode, max_len=max_model_len(scenarios), gpu=gpu,
-                                  gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager,
-                                  max_capture=a.max_cudagraph_capture_size),
+            "flags": job_flags(a, model, mode, scenarios, gpu),
             "scenarios": [dataclasses.asdict(s) for s in scenarios], "warmups": a.warmups, "repeats": a.repeats,
             "deadline": deadline}
 
@@ -1045,9 +1052,7 @@ def run_online_job(a, job: dict, scenarios: list, deadline: float, out: Path, *,
     doc = {k: job[k] for k in ("model", "mode", "label", "vllm_invariant")}
     doc.update(scenarios={}, status="starting",
                attention_backend=attention_backend(job["mode"], gpu=gpu) or "vLLM's choice")
-    flags = engine_flags(folder, mode=job["mode"], max_len=max_model_len(scenarios), gpu=gpu,
-                         gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager,
-                         max_capture=a.max_cudagraph_capture_size)
+    flags = job_flags(a, job["model"], job["mode"], scenarios, gpu)
     env = R.mode_env(job["mode"], gpu=gpu, vllm_invariant=job["vllm_invariant"])
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's own process layout, as `vllm serve` runs
     if job["mode"] in KIT_MODES:
@@ -1129,10 +1134,7 @@ def run_cli_job(a, job: dict, scenarios: list, deadline: float, out: Path, *, gp
     """``vllm bench throughput`` once per warm-up and repeat of each offline scenario (an engine
     start each)."""
     launch = launch or (lambda cmd, env, timeout, log: R.run_process(cmd, env, timeout, log))
-    folder = model_folder(a, job["model"])
-    flags = engine_flags(folder, mode=job["mode"], max_len=max_model_len(scenarios), gpu=gpu,
-                         gpu_memory_utilization=a.gpu_memory_utilization, weights=a.weights, eager=a.eager,
-                         max_capture=a.max_cudagraph_capture_size)
+    flags = job_flags(a, job["model"], job["mode"], scenarios, gpu)
     env = R.mode_env(job["mode"], gpu=gpu, vllm_invariant=job["vllm_invariant"])
     doc = {k: job[k] for k in ("model", "mode", "label", "vllm_invariant")}
     doc.update(scenarios={}, status="done", runner="vllm bench throughput (one process per run)",

@@ -41,7 +41,8 @@ FAMILIES = ("gemm", "attention", "norm", "moe", "other")
 #: MoE first (its grouped GEMM is MoE time), then attention (the KV-cache writes included), norms
 #: (Inductor's fused ``rsqrt`` reductions included), then GEMMs.
 PATTERNS = (
-    ("moe", r"moe|expert|_router_kernel|_dispatch_kernel|_combine_kernel|grouped_gemm|splitk_silu|silu_mul_kernel|topk_?gating"
+    ("moe", r"moe|expert|_router_kernel|_dispatch_kernel|_combine_kernel|grouped_gemm|splitk_silu|silu_mul_kernel"
+            r"|topk_?gating"
             r"|topkgating|align_block|count_and_sort"),
     ("attention", r"attn|attention|flash|fmha|reshape_and_cache|write_kv|paged|unified"),
     ("norm", r"rms|norm|rsqrt"),
