@@ -139,8 +139,9 @@ def bench(quick: bool) -> tuple:
 #: Grouped-GEMM tiles :func:`tiles` times: (BLOCK_M, BLOCK_N, num_warps, num_stages).  The K step
 #: is the dtype's (:func:`batch_invariance_kit.ops.k_order.block_k`): only the M/N tiling varies.
 #: Every tile fits sm_90's 227 KB of shared memory per block (128 x 256 with three stages needs 240 KB).
-TILE_GRID = ((16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4),
-             (64, 128, 8, 3), (64, 256, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3))
+TILE_GRID = ((16, 32, 4, 4), (16, 32, 4, 5), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 4, 4), (32, 64, 4, 4),
+             (64, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3), (64, 256, 8, 3),
+             (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3))
 
 
 def tile_configs(dtype: torch.dtype = DTYPE) -> list:
