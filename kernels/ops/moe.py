@@ -133,11 +133,11 @@ class MoEConfig:
 #: shapes, 1 ... 8192 tokens, in the ``n_fast`` program order, and checked bitwise against the
 #: table's pick): at every token count of both models the row's tile is within 5 % of the fastest
 #: tile (:func:`batch_invariance_kit.bench.moe.table_against_sweep` of the stored rows, asserted by
-#: ``tests/test_moe.py``).  While an expert sees a token or two, the 16-row tiles (``BLOCK_N`` 32,
-#: 64 or 128, four or five stages) lie within a few per cent of one another and none is the
-#: fastest at every token count, so the table keeps one of them.  A fused gate/up launch over a
-#: long K narrows ``BLOCK_N`` (:data:`_FUSED_LONG_K_VALUES`).  16 x 64 while an expert sees a
-#: token or two, 64 x 64 (wgmma) up to 64 tokens per expert, then 128 x 128.  The variant's table below is set
+#: ``tests/test_moe.py``).  16 x 64 with four stages while an expert sees a token or two: there
+#: the 16-row tiles (``BLOCK_N`` 32, 64 or 128, four or five stages) lie within a few per cent of
+#: one another and none is the fastest at every token count.  Then 64 x 64 (wgmma) up to 64
+#: tokens per expert, then 128 x 128.  A fused gate/up launch over a long K narrows ``BLOCK_N``
+#: (:data:`_FUSED_LONG_K_VALUES`).  The variant's table below is set
 #: by hand, as production tables are tuned per GPU.
 INVARIANT_TABLE = [(2, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 128, 128, 8, 3)]
 
