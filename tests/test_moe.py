@@ -766,3 +766,45 @@ def test_vs_vllm_rows_and_checks_with_stand_ins(monkeypatch):
     assert len(observed) == 2 and any(c["tokens_differing"] for c in observed)  # the variant stand-in differs
     goals = [c for c in checks if c.get("goal")]
     assert len(goals) == 4 and all(c["speed_ratio_vs_vllm"] == 30.0 / 40.0 and not c["passed"] for c in goals)
+
+
+def test_stages_time_every_step_and_the_kit_steps_give_the_layer_bits(monkeypatch):
+    """``moe_stages`` on the CPU with stand-ins for what needs the GPU (small fp32 layers, a fixed
+    timer, the kit's variant layer as vLLM's): one row per step of each layer and one for the
+    whole layer; the kit's steps, run one by one from the inputs the steps before them made, give
+    the layer's bits (a required check), and a step that changes the arithmetic fails it."""
+    from batch_invariance_kit.bench import moe_vllm as V
+
+    small = {"qwen-like": dict(experts=E, top_k=TOPK, hidden=H, inter=INTER, renormalize=True, shared=0),
+             "deepseek-like": _deepseek_like(h=256)}
+    make_weights = V.layer_weights
+    monkeypatch.setattr(V, "MODELS", small)
+    monkeypatch.setattr(V, "layer_weights", lambda spec: make_weights(spec, device=DEV, dtype=torch.float32))
+    monkeypatch.setattr(V, "vllm_layer", lambda: (lambda x, w, spec: V.kit_layer(x, w, spec, impl="variant"),
+                                                  "stand-in"))
+    monkeypatch.setattr(V, "vllm_steps", lambda x, w, spec: {
+        "experts": (lambda a: V.kit_layer(a, w, spec, impl="variant"), (x,))})
+
+    def timer(fn, **kw):  # runs the step once, returns a fixed time
+        fn()
+        return {"median_us": 5.0, "p25_us": 4.0, "p75_us": 6.0}, False
+    monkeypatch.setattr(V, "median_us_graph_or_plain", timer)
+    rows, checks = V.stages(True, tokens=[1, 9])
+    kit = [(r["model"], r["tokens"], r["stage"]) for r in rows if r["impl"] == V.KIT_IMPL]
+    assert kit == [(m, n, s) for m in small for n in (1, 9)
+                   for s in ("layer",) + V.KIT_STAGES[(0 if small[m]["shared"] else 1):]]
+    assert {r["stage"] for r in rows if r["impl"] == V.VLLM_IMPL} == {"layer", "experts"}
+    assert len(checks) == 2 and all(c["passed"] for c in checks)
+
+    steps = V.kit_steps
+
+    def off(x, w, spec):  # the combine step with its weights scaled: no longer the layer's arithmetic
+        s = steps(x, w, spec)
+        fn, (y, wts, shared) = s["combine"]
+        s["combine"] = (fn, (y, wts * 1.5, shared))
+        return s
+    monkeypatch.setattr(V, "kit_steps", off)
+    _, checks = V.stages(True, tokens=[3], models=["qwen-like"])
+    assert len(checks) == 1 and not checks[0]["passed"]
+    with pytest.raises(ValueError, match="models"):
+        V.stages(True, models=["Qwen3-8B"])

@@ -34,7 +34,8 @@ def test_every_part_resolves_to_a_function_of_quick():
     on_gpu, on_cpu = parts.default_parts(True), parts.default_parts(False)
     by_name = [n for n, p in parts.PARTS.items() if not p.default]
     assert on_gpu and on_cpu and sorted(on_gpu + on_cpu + by_name) == sorted(parts.PARTS)
-    assert all(n.startswith("matmul_refit_") or n == "moe_tiles" for n in by_name)  # measurements for a refit
+    # measurements behind a table or a fit, and a breakdown: run by name
+    assert all(n.startswith("matmul_refit_") or n in ("moe_tiles", "moe_stages") for n in by_name)
 
 
 def test_list_names_every_part(capsys):

@@ -20,6 +20,8 @@ be equal (a required check); vLLM's are recorded as observed.
     python -m batch_invariance_kit.bench.moe_vllm --out DIR [--quick] [--tokens 1 64 4096] [--models ...]
 
 writes ``DIR/moe_vs_vllm.json`` (the validation command's ``moe_vs_vllm`` part runs the same function).
+:func:`stages` (the ``moe_stages`` part, by name only) times each step of both layers alone at
+thin batches: where a layer's time goes when its weights, not its FLOPs, set the pace.
 """
 from __future__ import annotations
 
@@ -195,6 +197,104 @@ def vs_vllm(quick: bool, *, tokens=None, models=None) -> tuple:
                        "tokens_differing": [r["tokens"] for r in mine
                                             if r["impl"] == VLLM_IMPL and r["rows_differing_from_alone"]],
                        "vllm_batch_invariant_env": os.environ.get("VLLM_BATCH_INVARIANT")})
+    return rows, checks
+
+
+#: The steps of each layer that :func:`stages` times one at a time, in the order they run
+KIT_STAGES = ("shared", "gating", "route", "dispatch", "gate_up", "down", "combine")
+VLLM_STAGES = ("gating", "topk", "experts", "shared")
+#: token counts of :func:`stages` (the thin batches, where a layer's fixed costs show)
+STAGE_TOKENS = (1, 2, 8, 64)
+
+
+def kit_steps(x: torch.Tensor, w: dict, spec: dict) -> dict:
+    """The kit's invariant layer (:func:`kit_layer`) cut into its steps: ``{stage: (fn, args)}``
+    in :data:`KIT_STAGES` order (``shared`` only with shared experts), each step's inputs computed
+    once beforehand by the steps before it, so that ``fn(*args)`` launches that step alone.  The
+    last step's output is the layer's (a test checks the bits under the interpreter)."""
+    from ..ops import matmul as MM
+
+    E, k = spec["experts"], spec["top_k"]
+    cfg = moe.select_config(x.shape[0], k, E, x.dtype)
+    steps = {}
+    shared = None
+    if w["shared_gate_up"] is not None:
+        steps["shared"] = (lambda a: routing.shared_mlp(a, w["shared_gate_up"], w["shared_down"]), (x,))
+        shared = steps["shared"][0](x)
+    steps["gating"] = (lambda a: MM.linear(a, w["router"]), (x,))
+    logits = steps["gating"][0](x)
+    steps["route"] = (lambda lg: moe.route(lg, k, renormalize=spec["renormalize"]), (logits,))
+    wts, ids = steps["route"][0](logits)
+    steps["dispatch"] = (lambda i: moe.dispatch(i, E, cfg.block_m, validate=False), (ids,))
+    disp = steps["dispatch"][0](ids)
+    steps["gate_up"] = (lambda a, d: moe.grouped_gemm(a, w["w13"], d, activation="silu_mul", gather_tokens=True,
+                                                      config=cfg), (x, disp))
+    h = steps["gate_up"][0](x, disp)
+    steps["down"] = (lambda a, d: moe.grouped_gemm(a, w["w2"], d, config=cfg), (h, disp))
+    y = steps["down"][0](h, disp)
+    steps["combine"] = (lambda a, t, sh: moe.combine(a, t, shared=sh), (y, wts, shared))
+    return steps
+
+
+def vllm_steps(x: torch.Tensor, w: dict, spec: dict) -> dict:
+    """vLLM's default layer (:func:`vllm_layer`) cut the same way: ``{stage: (fn, args)}`` in
+    :data:`VLLM_STAGES` order (``shared`` with shared experts: its MLP and the bf16 add)."""
+    from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
+
+    silu_and_mul, _ = _silu_and_mul()
+    steps = {"gating": (lambda a: F.linear(a, w["router"]), (x,))}
+    logits = steps["gating"][0](x)
+    steps["topk"] = (lambda a, lg: fused_topk(a, lg, spec["top_k"], spec["renormalize"]), (x, logits))
+    topk = steps["topk"][0](x, logits)
+    steps["experts"] = (lambda a, t, i: fused_experts(a, w["w13"], w["w2"], t, i), (x, topk[0], topk[1]))
+    if w["shared_gate_up"] is not None:
+        out = steps["experts"][0](x, topk[0], topk[1])
+        steps["shared"] = (lambda a, o: o + F.linear(silu_and_mul(F.linear(a, w["shared_gate_up"])),
+                                                      w["shared_down"]), (x, out))
+    return steps
+
+
+def stages(quick: bool, *, tokens=None, models=None) -> tuple:
+    """Where each layer's time goes at thin batches: every step of :func:`kit_steps` and
+    :func:`vllm_steps` timed alone (CUDA-graph replays), beside the whole layer, at
+    :data:`STAGE_TOKENS` tokens (``tokens`` and ``models`` narrow the run).  Rows ``op
+    "moe_stage"`` (``stage`` a step's name, or ``"layer"``); no speed goal (the layers' goals are
+    :func:`vs_vllm`'s).  The check: the kit's steps run in order give the layer's bits."""
+    vllm_run, _ = vllm_layer()
+    sizes = sorted({int(n) for n in (tokens or STAGE_TOKENS)})
+    if sizes[0] < 1:
+        raise ValueError(f"tokens must be positive, got {sizes}")
+    names = list(MODELS) if not models else list(models)
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        raise ValueError(f"models must be among {list(MODELS)}, got {unknown}")
+    reps = 30 if quick else 100
+    rows, checks = [], []
+    for model in names:
+        spec = MODELS[model]
+        w = layer_weights(spec)
+        dev = w["router"].device
+        g = torch.Generator(device=dev).manual_seed(1)
+        x_all = torch.randn((max(sizes), spec["hidden"]), generator=g, device=dev).to(w["router"].dtype)
+        same = []
+        for n in sizes:
+            x = x_all[:n].clone()
+            layers = {KIT_IMPL: (lambda a: kit_layer(a, w, spec), kit_steps(x, w, spec)),
+                      VLLM_IMPL: (lambda a: vllm_run(a, w, spec), vllm_steps(x, w, spec))}
+            fn, args = layers[KIT_IMPL][1]["combine"]
+            same.append(bitwise_equal(fn(*args), kit_layer(x, w, spec)))
+            for impl, (layer, steps) in layers.items():
+                parts = {"layer": (layer, (x,)), **steps}
+                times = {}
+                for stage, (fn, args) in parts.items():
+                    t, graph = median_us_graph_or_plain(lambda fn=fn, args=args: fn(*args), reps=reps)
+                    times[stage] = t["median_us"]
+                    rows.append({"op": "moe_stage", "impl": impl, "model": model, "tokens": n, "stage": stage,
+                                 **t, "cuda_graph": graph})
+                print(f"  {model:<17} T={n:<5} {impl:<15} layer {times.pop('layer'):7.1f} us = "
+                      + ", ".join(f"{s} {v:.1f}" for s, v in times.items()), flush=True)
+        checks.append({"name": f"{model}: the kit's steps, run one by one, give the layer's bits at every token count",
+                       "passed": all(same)})
     return rows, checks
 
 
