@@ -123,6 +123,26 @@ def _invariant_mode_env() -> str | None:
     return v if v not in (None, "", "0", "false", "False") else None
 
 
+def _narrow(tokens, models) -> tuple:
+    """``(sorted token counts, model names)`` of a run, checked: positive counts, names of :data:`MODELS`."""
+    sizes = sorted({int(n) for n in tokens})
+    if sizes[0] < 1:
+        raise ValueError(f"tokens must be positive, got {sizes}")
+    names = list(MODELS) if not models else list(models)
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        raise ValueError(f"models must be among {list(MODELS)}, got {unknown}")
+    return sizes, names
+
+
+def _layer_inputs(spec: dict, max_tokens: int) -> tuple:
+    """``(weights, x_all)``: :func:`layer_weights` of ``spec`` and ``max_tokens`` seeded hidden states."""
+    w = layer_weights(spec)
+    dev = w["router"].device
+    g = torch.Generator(device=dev).manual_seed(1)
+    return w, torch.randn((max_tokens, spec["hidden"]), generator=g, device=dev).to(w["router"].dtype)
+
+
 def vs_vllm(quick: bool, *, tokens=None, models=None) -> tuple:
     """Rows (one per model, token count and implementation: median, quartiles, TFLOP/s, rows
     differing from the token alone) and checks: per model, the kit's layer gives every probed
@@ -132,22 +152,13 @@ def vs_vllm(quick: bool, *, tokens=None, models=None) -> tuple:
     ``tokens`` (default 1 ... 8192; ``quick``: 4 counts) and ``models`` (default all of
     :data:`MODELS`) narrow the run.  About 4 minutes on an H200."""
     vllm_run, vllm_parts = vllm_layer()
-    sizes = sorted({int(n) for n in tokens}) if tokens else token_counts(quick)
-    if sizes[0] < 1:
-        raise ValueError(f"tokens must be positive, got {sizes}")
-    names = list(MODELS) if not models else list(models)
-    unknown = [m for m in names if m not in MODELS]
-    if unknown:
-        raise ValueError(f"models must be among {list(MODELS)}, got {unknown}")
+    sizes, names = _narrow(tokens or token_counts(quick), models)
     reps = 30 if quick else 100
     rows, checks = [], []
     for model in names:
         spec = MODELS[model]
-        w = layer_weights(spec)
         k, h, i = spec["top_k"], spec["hidden"], spec["inter"]
-        dev = w["router"].device
-        g = torch.Generator(device=dev).manual_seed(1)
-        x_all = torch.randn((max(sizes), h), generator=g, device=dev).to(w["router"].dtype)
+        w, x_all = _layer_inputs(spec, max(sizes))
         fns = {KIT_IMPL: lambda a: kit_layer(a, w, spec), VLLM_IMPL: lambda a: vllm_run(a, w, spec)}
         alone: dict = {impl: {} for impl in fns}
 
@@ -261,21 +272,12 @@ def stages(quick: bool, *, tokens=None, models=None) -> tuple:
     "moe_stage"`` (``stage`` a step's name, or ``"layer"``); no speed goal (the layers' goals are
     :func:`vs_vllm`'s).  The check: the kit's steps run in order give the layer's bits."""
     vllm_run, _ = vllm_layer()
-    sizes = sorted({int(n) for n in (tokens or STAGE_TOKENS)})
-    if sizes[0] < 1:
-        raise ValueError(f"tokens must be positive, got {sizes}")
-    names = list(MODELS) if not models else list(models)
-    unknown = [m for m in names if m not in MODELS]
-    if unknown:
-        raise ValueError(f"models must be among {list(MODELS)}, got {unknown}")
+    sizes, names = _narrow(tokens or STAGE_TOKENS, models)
     reps = 30 if quick else 100
     rows, checks = [], []
     for model in names:
         spec = MODELS[model]
-        w = layer_weights(spec)
-        dev = w["router"].device
-        g = torch.Generator(device=dev).manual_seed(1)
-        x_all = torch.randn((max(sizes), spec["hidden"]), generator=g, device=dev).to(w["router"].dtype)
+        w, x_all = _layer_inputs(spec, max(sizes))
         same = []
         for n in sizes:
             x = x_all[:n].clone()
