@@ -735,6 +735,19 @@ def test_vs_vllm_command_stops_with_a_message_before_measuring(tmp_path, monkeyp
     assert not any(tmp_path.iterdir())
 
 
+def _small_comparison(monkeypatch, V) -> dict:
+    """``bench.moe_vllm`` on the CPU: two small fp32 layers (a Qwen-like and a DeepSeek-like one)
+    in place of its models, and the kit's variant layer standing in for vLLM's.  Returns the models."""
+    small = {"qwen-like": dict(experts=E, top_k=TOPK, hidden=H, inter=INTER, renormalize=True, shared=0),
+             "deepseek-like": _deepseek_like(h=256)}
+    make_weights = V.layer_weights
+    monkeypatch.setattr(V, "MODELS", small)
+    monkeypatch.setattr(V, "layer_weights", lambda spec: make_weights(spec, device=DEV, dtype=torch.float32))
+    monkeypatch.setattr(V, "vllm_layer", lambda: (lambda x, w, spec: V.kit_layer(x, w, spec, impl="variant"),
+                                                  "stand-in"))
+    return small
+
+
 def test_vs_vllm_rows_and_checks_with_stand_ins(monkeypatch):
     """vs_vllm's bookkeeping on the CPU, with stand-ins for what needs the GPU (small fp32 layers,
     a fixed timer, the kit's variant layer standing in for vLLM): one row per (model, tokens,
@@ -744,12 +757,7 @@ def test_vs_vllm_rows_and_checks_with_stand_ins(monkeypatch):
 
     from batch_invariance_kit.bench import moe_vllm as V
 
-    small = {"qwen-like": dict(experts=E, top_k=TOPK, hidden=H, inter=INTER, renormalize=True, shared=0),
-             "deepseek-like": _deepseek_like(h=256)}
-    make_weights = V.layer_weights
-    monkeypatch.setattr(V, "MODELS", small)
-    monkeypatch.setattr(V, "layer_weights", lambda spec: make_weights(spec, device=DEV, dtype=torch.float32))
-    monkeypatch.setattr(V, "vllm_layer", lambda: (lambda x, w, spec: V.kit_layer(x, w, spec, impl="variant"), "stand-in"))
+    small = _small_comparison(monkeypatch, V)
     medians = itertools.cycle([40.0, 30.0])  # the kit's cell first, then the peer's
 
     def timer(fn, **kw):
@@ -775,13 +783,7 @@ def test_stages_time_every_step_and_the_kit_steps_give_the_layer_bits(monkeypatc
     the layer's bits (a required check), and a step that changes the arithmetic fails it."""
     from batch_invariance_kit.bench import moe_vllm as V
 
-    small = {"qwen-like": dict(experts=E, top_k=TOPK, hidden=H, inter=INTER, renormalize=True, shared=0),
-             "deepseek-like": _deepseek_like(h=256)}
-    make_weights = V.layer_weights
-    monkeypatch.setattr(V, "MODELS", small)
-    monkeypatch.setattr(V, "layer_weights", lambda spec: make_weights(spec, device=DEV, dtype=torch.float32))
-    monkeypatch.setattr(V, "vllm_layer", lambda: (lambda x, w, spec: V.kit_layer(x, w, spec, impl="variant"),
-                                                  "stand-in"))
+    small = _small_comparison(monkeypatch, V)
     monkeypatch.setattr(V, "vllm_steps", lambda x, w, spec: {
         "experts": (lambda a: V.kit_layer(a, w, spec, impl="variant"), (x,))})
 

@@ -137,8 +137,8 @@ class MoEConfig:
 #: the 16-row tiles (``BLOCK_N`` 32, 64 or 128, four or five stages) lie within a few per cent of
 #: one another and none is the fastest at every token count.  Then 64 x 64 (wgmma) up to 64
 #: tokens per expert, then 128 x 128.  A fused gate/up launch over a long K narrows ``BLOCK_N``
-#: (:data:`_FUSED_LONG_K_VALUES`).  The variant's table below is set
-#: by hand, as production tables are tuned per GPU.
+#: (:data:`_FUSED_LONG_K_VALUES`).  The variant's table below is set by hand, as production
+#: tables are tuned per GPU.
 INVARIANT_TABLE = [(2, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 128, 128, 8, 3)]
 
 #: Variant grouped GEMM, like a tuned production table: (largest tokens per expert, BLOCK_M,
